@@ -1,0 +1,126 @@
+"""Engine configuration: nested dataclasses, each field documented and validated once."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+@dataclass
+class ModelConfig:
+    """What model to run and how to read its checkpoint."""
+
+    model: str
+    """Path of an HF-format checkpoint directory (config.json, *.safetensors, tokenizer)."""
+    tokenizer: str | None = None
+    """Tokenizer directory; defaults to `model`."""
+    dtype: DTypeName = "auto"
+    """Weight and activation dtype; `auto` is float32 on CPU and bfloat16 on GPU."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens; defaults to the config's max_position_embeddings."""
+    seed: int = 0
+    """Seed of the engine's random generator (used by requests without their own seed)."""
+    logprobs_mode: LogprobsMode = "raw_logprobs"
+    """What returned logprobs mean: raw model output, or after penalties/temperature/top-k/top-p."""
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        _check_choice("dtype", self.dtype, DTypeName)
+        _check_choice("logprobs_mode", self.logprobs_mode, LogprobsMode)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"model: {self.model!r} is not a directory with a config.json")
+
+    def hf_config_dict(self) -> dict:
+        with open(os.path.join(self.model, "config.json")) as f:
+            return json.load(f)
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache layout and size."""
+
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of identical full prompt blocks across requests."""
+    num_gpu_blocks_override: int | None = None
+    """Exact number of KV blocks (overrides every memory-based sizing)."""
+    kv_cache_memory_bytes: int | None = None
+    """Bytes to give the KV cache (overrides gpu_memory_utilization and the CPU default)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of device memory the engine may use on GPU (weights + activations + KV)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass
+class SchedulerConfig:
+    """How one step's token budget is handed out."""
+
+    max_num_seqs: int = 256
+    """Most requests running at once."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one step (prefill chunks and decodes together); default 2048 or max_model_len if larger is not needed."""
+    policy: SchedulingPolicy = "fcfs"
+    """`fcfs` (arrival order) or `priority` (lower value first, then arrival)."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts over several steps; off means a prompt must fit one step's budget."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        _check_choice("policy", self.policy, SchedulingPolicy)
+
+
+@dataclass
+class DeviceConfig:
+    """Where the model runs."""
+
+    device: str = "auto"
+    """`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`."""
+
+    def __post_init__(self) -> None:
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+    def resolve(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class EngineConfig:
+    """Everything one engine needs; built once and shared read-only by its parts."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+
+def _check_choice(name: str, value: object, literal: object) -> None:
+    choices = get_args(literal)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")

@@ -1,0 +1,84 @@
+"""Wire types between a frontend and the EngineCore (msgspec structs, cheap to encode)."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished; small ints on the wire, lower-case names for users."""
+
+    STOP = 0  # EOS, a stop token or a stop string
+    LENGTH = 1  # max_tokens or max_model_len
+    ABORT = 2  # aborted by the caller or a pause
+    ERROR = 3  # the engine could not serve it
+    REPETITION = 4  # repetition_detection fired
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A tokenized request on its way into the engine core."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float = msgspec.field(default_factory=time.time)
+    priority: int = 0
+    client_index: int = 0
+
+
+class LogprobsLists(msgspec.Struct, array_like=True):
+    """Logprobs of several positions: per position the chosen token first, then the top-k.
+
+    token_ids[i][0] is the sampled (or prompt) token, token_ids[i][1:] the top-k ids in
+    descending order; logprobs matches token_ids; ranks[i] is the chosen token's rank
+    (1 = most likely) among the whole vocabulary.
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    @staticmethod
+    def concat(parts: list["LogprobsLists"]) -> "LogprobsLists":
+        out = LogprobsLists([], [], [])
+        for p in parts:
+            out.token_ids += p.token_ids
+            out.logprobs += p.logprobs
+            out.ranks += p.ranks
+        return out
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """All outputs of one engine step for one client."""
+
+    outputs: list[EngineCoreOutput] = []
+    timestamp: float = 0.0
+    finished_requests: set[str] | None = None

@@ -1,0 +1,1 @@
+"""The device side of the engine: worker, model runner and their per-request state."""

@@ -1,0 +1,24 @@
+"""ModelRunnerOutput: what one forward pass sampled, handed back to the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.wire import LogprobsLists
+
+
+@dataclass
+class ModelRunnerOutput:
+    # Rows in the order the runner processed them.
+    req_ids: list[str]
+    # Tokens sampled per row: one for a request whose tokens are all computed after this
+    # step, none for a request still in the middle of its prompt (chunked prefill).
+    sampled_token_ids: list[list[int]]
+    # Per row (None where the request asked for none or sampled nothing).
+    logprobs: list[LogprobsLists | None] | None = None
+    # Prompt logprobs computed this step, per request that asked for them.
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+
+    @staticmethod
+    def empty() -> "ModelRunnerOutput":
+        return ModelRunnerOutput([], [])
