@@ -17,6 +17,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit (or 0)
+    eos_token_id: int | None = None  # banned by min_tokens like the stop tokens
 
 
 @dataclass

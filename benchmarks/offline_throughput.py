@@ -1,0 +1,155 @@
+"""Offline throughput: our engine against HF transformers generate() on the same random workload.
+
+Prints a table (output tokens/s for both and their ratio) and writes JSON. Prompt and output
+lengths are drawn uniformly from ranges; every request runs to its max_tokens (ignore_eos).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import time
+
+import torch
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="tiny-llama", help="checkpoint directory or built-in tiny model name")
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--hf-batch-size", type=int, default=None, help="HF static batch size (default: max-num-seqs)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--json-out", default="benchmarks/out/offline_throughput.json")
+    return p.parse_args()
+
+
+def resolve_model(name: str) -> str:
+    if os.path.isdir(name):
+        return name
+    from engine.tiny_models import builtin_model_dir
+
+    return builtin_model_dir(name)
+
+
+def make_workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(args.seed)
+    work = []
+    for _ in range(args.num_requests):
+        prompt = [rng.randrange(3, vocab_size) for _ in range(rng.randint(*args.input_len))]
+        work.append((prompt, rng.randint(*args.output_len)))
+    return work
+
+
+def run_engine(args, path: str, work) -> dict:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(path, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=args.input_len[1] + args.output_len[1])
+    warm = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 4
+    llm.generate([{"prompt_token_ids": p} for p, _ in work[:4]], warm, use_tqdm=False)
+    llm.reset_prefix_cache()  # the warm-up prompts must not give the timed run cache hits
+
+    prompts = [{"prompt_token_ids": p} for p, _ in work]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
+    _sync(llm.config.device.resolve())
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    _sync(llm.config.device.resolve())
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert num_out == sum(n for _, n in work), "every request runs to max_tokens"
+    return {"elapsed_s": elapsed, "output_tokens": num_out, "output_tok_per_s": num_out / elapsed,
+            "device": llm.config.device.resolve(), "dtype": str(llm.engine_core.executor.worker.dtype)}
+
+
+def run_hf(args, path: str, work, device: str, dtype: torch.dtype) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model.generation_config.eos_token_id = None  # ignore_eos
+    batch_size = args.hf_batch_size or args.max_num_seqs
+
+    def generate(batch):
+        width = max(len(p) for p, _ in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, (p, _) in enumerate(batch):  # left padding, as HF decoder-only generation wants
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        with torch.no_grad():
+            model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False, pad_token_id=0,
+                           max_new_tokens=max(n for _, n in batch))
+
+    generate(work[:2])  # warm-up
+    _sync(device)
+    start = time.perf_counter()
+    for i in range(0, len(work), batch_size):
+        generate(work[i : i + batch_size])
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    # Only the tokens each request asked for count; padding to the batch's longest is HF's cost.
+    num_out = sum(n for _, n in work)
+    return {"elapsed_s": elapsed, "output_tokens": num_out, "output_tok_per_s": num_out / elapsed,
+            "batch_size": batch_size}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    args = parse_args()
+    path = resolve_model(args.model)
+    with open(os.path.join(path, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    work = make_workload(args, vocab_size)
+    ours = run_engine(args, path, work)
+    result = {
+        "benchmark": "offline_throughput",
+        "model": args.model,
+        "num_requests": args.num_requests,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "max_num_seqs": args.max_num_seqs,
+        "machine": platform.node(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "engine": ours,
+        "output_tok_per_s": ours["output_tok_per_s"],
+    }
+    rows = [("ours", ours)]
+    if not args.skip_hf:
+        dtype = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16,
+                 "torch.float16": torch.float16}[ours["dtype"]]
+        hf = run_hf(args, path, work, ours["device"], dtype)
+        result["hf"] = hf
+        result["ratio_vs_hf"] = ours["output_tok_per_s"] / hf["output_tok_per_s"]
+        rows.append(("hf generate()", hf))
+
+    print(f"\nOffline throughput: {args.num_requests} requests, prompt {args.input_len}, output {args.output_len}, "
+          f"model {args.model}, device {ours['device']}, {ours['dtype']}")
+    print(f"{'engine':<16}{'output tokens':>15}{'time (s)':>12}{'output tok/s':>15}")
+    for name, r in rows:
+        print(f"{name:<16}{r['output_tokens']:>15}{r['elapsed_s']:>12.2f}{r['output_tok_per_s']:>15.1f}")
+    if "ratio_vs_hf" in result:
+        print(f"ratio ours / HF: {result['ratio_vs_hf']:.2f}x")
+    os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+    with open(args.json_out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.json_out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,367 @@
+"""Scheduler: hands one step's token budget to requests whose computed tokens lag their tokens."""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.core.stats import SchedulerStats
+from engine.sampling_params import RepetitionDetectionParams
+from engine.wire import EngineCoreOutput, EngineCoreOutputs
+from engine.worker.runner_output import ModelRunnerOutput
+
+_DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+class FCFSWaitingQueue:
+    """Arrival order; a preempted request goes back to the front. Victim: the newest running."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def add(self, request: Request) -> None:
+        self._queue.append(request)
+
+    def add_preempted(self, request: Request) -> None:
+        self._queue.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        return self._queue.popleft()
+
+    def remove_ids(self, req_ids: set[str]) -> None:
+        self._queue = deque(r for r in self._queue if r.request_id not in req_ids)
+
+    @staticmethod
+    def preemption_victim(running: list[Request]) -> Request:
+        return running[-1]
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+
+class PriorityWaitingQueue:
+    """Lowest (priority, arrival_time) first (Request.__lt__); victim: the highest running."""
+
+    def __init__(self) -> None:
+        self._heap: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        heapq.heappush(self._heap, request)
+
+    add_preempted = add  # its (priority, arrival) already says where it belongs
+
+    def peek(self) -> Request:
+        return self._heap[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)
+
+    def remove_ids(self, req_ids: set[str]) -> None:
+        self._heap = [r for r in self._heap if r.request_id not in req_ids]
+        heapq.heapify(self._heap)
+
+    @staticmethod
+    def preemption_victim(running: list[Request]) -> Request:
+        return max(running)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(sorted(self._heap))
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+    One rule for everything: a request is owed num_tokens - num_computed_tokens tokens
+    (a prompt, the rest of a prompt, or one decode token); a step pays out of one budget
+    of max_num_batched_tokens over at most max_num_seqs requests. num_computed_tokens
+    advances when a step is scheduled, so schedule() may run again before that step's
+    outputs arrive (a request whose tokens are all computed simply waits for its sample).
+
+    Default budget when max_num_batched_tokens is None: max(2048, max_num_seqs) with
+    chunked prefill, and at least max_model_len without it (a whole prompt must fit).
+    """
+
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, max_model_len: int, num_blocks: int
+    ) -> None:
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        budget = scheduler_config.max_num_batched_tokens
+        if budget is None:
+            budget = max(_DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+            if not self.enable_chunked_prefill:
+                budget = max(budget, max_model_len)
+        elif not self.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) must be >= max_model_len ({max_model_len}) "
+                "when enable_chunked_prefill is off"
+            )
+        self.max_num_batched_tokens = budget
+        block_size = cache_config.block_size
+        if -(-max_model_len // block_size) > num_blocks:
+            # Otherwise one long request could never fit and the engine would spin forever.
+            raise ValueError(
+                f"num_blocks ({num_blocks}) x block_size ({block_size}) cannot hold one "
+                f"max_model_len ({max_model_len}) sequence"
+            )
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching)
+
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting = PriorityWaitingQueue() if scheduler_config.policy == "priority" else FCFSWaitingQueue()
+        self.running: list[Request] = []
+        # Finished or aborted since the last schedule(): the runner drops their state.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self.num_preemptions_since_stats = 0
+
+    # ---- requests in and out ----
+
+    def add_request(self, request: Request) -> None:
+        if not 0 < request.num_prompt_tokens <= self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids: prompt has {request.num_prompt_tokens} tokens; "
+                f"it must have between 1 and max_model_len ({self.max_model_len})"
+            )
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already running")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finishes unfinished requests from outside (abort, error); unknown ids are ignored."""
+        assert RequestStatus.is_finished(status), status
+        req_ids = {req_ids} if isinstance(req_ids, str) else set(req_ids)
+        finished = [self.requests.pop(i) for i in req_ids if i in self.requests]
+        if not finished:
+            return []
+        done_ids = {r.request_id for r in finished}
+        self.running = [r for r in self.running if r.request_id not in done_ids]
+        self.waiting.remove_ids(done_ids)
+        for request in finished:
+            request.status = status
+            self.kv_cache_manager.free(request)
+        self.finished_req_ids |= done_ids
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- one step ----
+
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        token_budget = self.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}  # running requests: blocks appended this step
+        scheduled_new: list[Request] = []
+        preempted_req_ids: set[str] = set()
+
+        # 1. Running requests, in order. When blocks run out, preempt the policy's victim.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new = min(
+                request.num_tokens - request.num_computed_tokens,
+                token_budget,
+                self.max_model_len - request.num_computed_tokens,
+            )
+            if num_new <= 0:  # all computed; its sample has not come back yet
+                req_index += 1
+                continue
+            while (blocks := kv.allocate_slots(request, num_new)) is None:
+                victim = self.waiting.preemption_victim(self.running)
+                victim_index = self.running.index(victim)
+                del self.running[victim_index]
+                if victim_index < req_index:  # already visited this step: undo its share
+                    req_index -= 1
+                    token_budget += num_scheduled_tokens.pop(victim.request_id, 0)
+                    new_block_ids.pop(victim.request_id, None)
+                self._preempt(victim)
+                preempted_req_ids.add(victim.request_id)
+                if victim is request:
+                    break
+            if blocks is None:  # this request itself was preempted; the next one is now at req_index
+                continue
+            num_scheduled_tokens[request.request_id] = num_new
+            new_block_ids[request.request_id] = blocks.get_block_ids()
+            token_budget -= num_new
+            req_index += 1
+
+        # 2. Waiting requests (new or preempted), only if this step did not run short of blocks.
+        while not preempted_req_ids and self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if not self.enable_chunked_prefill and num_new > token_budget:
+                break
+            num_new = min(num_new, token_budget)
+            if kv.allocate_slots(request, num_new, hit_blocks, num_hit_tokens) is None:
+                break
+            self.waiting.pop()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            scheduled_new.append(request)
+            num_scheduled_tokens[request.request_id] = num_new
+            token_budget -= num_new
+
+        # 3. Describe the step (num_computed_tokens = where its tokens start), then advance.
+        new_reqs_data = [
+            NewRequestData(
+                req_id=r.request_id,
+                token_ids=list(r.all_token_ids),
+                num_prompt_tokens=r.num_prompt_tokens,
+                sampling_params=r.sampling_params,
+                block_ids=kv.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+                eos_token_id=r.eos_token_id,
+            )
+            for r in scheduled_new
+        ]
+        cached_reqs_data = CachedRequestData()
+        for req_id, block_ids in new_block_ids.items():
+            cached_reqs_data.req_ids.append(req_id)
+            cached_reqs_data.new_block_ids.append(block_ids)
+            cached_reqs_data.num_computed_tokens.append(self.requests[req_id].num_computed_tokens)
+        for req_id, num_new in num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_new
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs_data,
+            scheduled_cached_reqs=cached_reqs_data,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted_req_ids,
+        )
+        self.finished_req_ids = set()
+        return output
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: drop its KV; it resumes later as a new request."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.num_preemptions_since_stats += 1
+        self.waiting.add_preempted(request)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        outputs: list[EngineCoreOutput] = []
+        finished_ids: set[str] = set()
+        logprobs_rows = model_runner_output.logprobs
+        for row, req_id in enumerate(model_runner_output.req_ids):
+            request = self.requests.get(req_id)
+            # Finished, aborted or preempted since the step was scheduled: drop its results
+            # (a preempted request recomputes and samples again).
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            new_token_ids = model_runner_output.sampled_token_ids[row]
+            prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
+            if not new_token_ids and prompt_logprobs is None:
+                continue  # mid-prompt chunk: nothing to report
+            for i, token_id in enumerate(new_token_ids):
+                request.append_output_token_ids([token_id])
+                if self._check_stop(request):
+                    new_token_ids = new_token_ids[: i + 1]  # tokens after a stop are dropped
+                    break
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=list(new_token_ids),
+                    new_logprobs=logprobs_rows[row] if logprobs_rows and new_token_ids else None,
+                    new_prompt_logprobs=prompt_logprobs,
+                    finish_reason=request.get_finish_reason(),
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+            if request.is_finished():
+                finished_ids.add(req_id)
+                self.kv_cache_manager.free(request)
+                del self.requests[req_id]
+        if finished_ids:
+            self.running = [r for r in self.running if r.request_id not in finished_ids]
+            self.finished_req_ids |= finished_ids
+        return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
+
+    def _check_stop(self, request: Request) -> bool:
+        """Sets the finished status if the last appended token ends the request."""
+        params = request.sampling_params
+        last_token_id = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last_token_id == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if params.stop_token_ids and last_token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last_token_id
+                return True
+        max_tokens = request.max_tokens
+        if (max_tokens is not None and request.num_output_tokens >= max_tokens) or (
+            request.num_tokens >= self.max_model_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        if params.repetition_detection is not None and _ends_in_repetition(
+            request.output_token_ids, params.repetition_detection
+        ):
+            request.status = RequestStatus.FINISHED_REPETITION
+            return True
+        return False
+
+    # ---- stats and cache control ----
+
+    def make_stats(self) -> SchedulerStats:
+        queries, hits = self.kv_cache_manager.make_prefix_cache_stats()
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            num_preemptions=self.num_preemptions,
+            step_num_preemptions=self.num_preemptions_since_stats,
+        )
+        self.num_preemptions_since_stats = 0
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+
+def _ends_in_repetition(token_ids: list[int], params: RepetitionDetectionParams) -> bool:
+    """True if token_ids ends in some pattern of L tokens (min..max_pattern_size) repeated
+    min_count times in a row."""
+    num_tokens = len(token_ids)
+    for size in range(params.min_pattern_size, params.max_pattern_size + 1):
+        span = size * params.min_count
+        if span > num_tokens:
+            break
+        if token_ids[num_tokens - span :] == token_ids[num_tokens - size :] * params.min_count:
+            return True
+    return False

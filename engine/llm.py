@@ -1,0 +1,132 @@
+"""LLM: the offline API - batch generate and chat over an in-process EngineCore."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
+from engine.engine_args import EngineArgs
+from engine.engine_core import EngineCore
+from engine.output_processor import OutputProcessor, ParentRequest
+from engine.outputs import RequestOutput
+from engine.processor import Processor, PromptType
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """`LLM(model=DIR, **engine_args)`; argument names follow vLLM's where vLLM has one."""
+
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        self.engine_args = EngineArgs(model=model, **engine_args)
+        self.config = self.engine_args.create_engine_config()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer)
+        self.engine_core = EngineCore(self.config)
+        self.processor = Processor(self.config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in the order of `prompts`."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params: {len(params_list)} given for {len(prompts)} prompts"
+                )
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority: {len(priority)} given for {len(prompts)} prompts")
+
+        # Validate everything first, so a bad prompt leaves the engine untouched.
+        requests = []
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            req_id = str(next(self._counter))
+            try:
+                text, request = self.processor.process(
+                    req_id, prompt, params, priority[i] if priority is not None else 0
+                )
+            except ValueError as e:
+                raise ValueError(f"{e} (prompt #{i})") from None
+            requests.append((text, request))
+        for text, request in requests:
+            self._add_request(text, request)
+        return self._run_engine([r.request_id for _, r in requests], use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Renders each conversation with the tokenizer's chat template, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
+            )
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _add_request(self, prompt_text: str | None, request) -> None:
+        params = request.sampling_params
+        if params.n == 1:
+            self.output_processor.add_request(request, prompt_text)
+            self.engine_core.add_request(request)
+            return
+        parent = ParentRequest(request.request_id, params)
+        for index, child in enumerate(parent.make_child_requests(request)):
+            self.output_processor.add_request(child, prompt_text, parent, index)
+            self.engine_core.add_request(child)
+
+    def _run_engine(self, req_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(req_ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while self.output_processor.has_unfinished_requests():
+                engine_outputs = self.engine_core.step()
+                processed = self.output_processor.process_outputs(engine_outputs.outputs)
+                if processed.reqs_to_abort:
+                    self.engine_core.abort_requests(processed.reqs_to_abort)
+                for out in processed.request_outputs:
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            # Leave the engine clean for the next call (e.g. after KeyboardInterrupt).
+            pending = [r for r in req_ids if r not in finished]
+            self.abort(pending)
+            raise
+        finally:
+            bar.close()
+        return [finished[r] for r in req_ids]
+
+    def abort(self, req_ids: list[str]) -> None:
+        child_ids = self.output_processor.abort_requests(req_ids)
+        self.engine_core.abort_requests(list(child_ids) if child_ids else req_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()

@@ -1,0 +1,146 @@
+"""Llama (incl. Llama-3 rope scaling) and Qwen2 causal LMs, as small variations of one decoder."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from engine.attention.layer import Attention
+from engine.models.layers import (
+    LMHead,
+    Linear,
+    MergedLinear,
+    QKVLinear,
+    RMSNorm,
+    SiluAndMul,
+    VocabEmbedding,
+    get_rope,
+    load_weights_with_mapping,
+)
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    # Qwen2 overrides these: bias on q/k/v but not on o.
+    def _biases(self, config) -> tuple[bool, bool]:
+        bias = getattr(config, "attention_bias", False)
+        return bias, bias
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        qkv_bias, o_bias = self._biases(config)
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, o_bias)
+        self.rotary_emb = get_rope(self.head_dim, config)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+
+    def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k  # Qwen3 normalises each head here
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self._qk_norm(q, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))  # [T, hidden]
+
+
+class Qwen2Attention(LlamaAttention):
+    def _biases(self, config) -> tuple[bool, bool]:
+        return True, False
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act: {config.hidden_act!r} is not supported; supported: silu")
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, attention_cls: type[LlamaAttention]):
+        super().__init__()
+        self.self_attn = attention_cls(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm can fuse the add.
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, attention_cls: type[LlamaAttention]):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, attention_cls) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = LlamaModel(config, self.attention_cls)
+        tied = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_embedding=tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] int64 (all requests flattened) -> [num_tokens, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden] -> [num_rows, vocab] float32."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Loads HF-named tensors; returns the names of the parameters that were fully loaded."""
+        skip = ("lm_head.weight",) if self.tie_word_embeddings else ()
+        return load_weights_with_mapping(self, weights, self.packed_modules_mapping, skip=skip)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen2Attention

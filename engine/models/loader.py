@@ -1,0 +1,49 @@
+"""Builds a model from a local HF checkpoint directory and loads its safetensors weights through the param loaders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from engine.models.registry import resolve_model_class
+
+
+def load_hf_config(model_dir: str):
+    """Reads config.json of a local checkpoint directory (never downloads)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+
+
+def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) from every *.safetensors file in the directory, one tensor at a time."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model_dir: no *.safetensors files in {model_dir}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@torch.no_grad()
+def load_model(model_dir: str, hf_config, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """Builds the model in `dtype` directly on `device`, loads all weights and checks none is missing."""
+    model_cls = resolve_model_class(hf_config)
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(hf_config)
+    finally:
+        torch.set_default_dtype(previous_dtype)
+    loaded = model.load_weights(iterate_safetensors(model_dir))
+    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} is missing parameters: {missing}")
+    return model.eval()

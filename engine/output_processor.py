@@ -1,0 +1,343 @@
+"""OutputProcessor: turns EngineCoreOutputs into RequestOutputs (detokenize, stop strings, logprobs, n > 1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.stop_strings import find_stop_string, stop_hold_back
+from engine.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
+
+
+@dataclass
+class OutputProcessorOutput:
+    request_outputs: list[RequestOutput]
+    # Requests finished here by a stop string: the engine core still runs them and must
+    # abort them to free their KV blocks.
+    reqs_to_abort: list[str]
+
+
+class ParentRequest:
+    """A request with n > 1, fanned out into n engine requests and gathered back into one output."""
+
+    def __init__(self, request_id: str, sampling_params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.n = sampling_params.n
+        self.child_req_ids = [self.child_request_id(i) for i in range(self.n)]
+        self.unfinished_indices = set(range(self.n))
+        # Latest CompletionOutput of each child (CUMULATIVE / FINAL_ONLY gather these).
+        self.latest: list[CompletionOutput | None] = [None] * self.n
+        # Registered by OutputProcessor.add_request; child 0 carries the prompt logprobs.
+        self.child_states: dict[int, RequestState] = {}
+
+    def child_request_id(self, index: int) -> str:
+        return f"{index}_{self.request_id}"
+
+    def child_sampling_params(self, index: int) -> SamplingParams:
+        sp = self.sampling_params
+        seed = None if sp.seed is None else sp.seed + index
+        # Prompt logprobs are the same for every child: only child 0 asks the engine for them.
+        prompt_logprobs = sp.prompt_logprobs if index == 0 else None
+        return sp.clone(n=1, seed=seed, prompt_logprobs=prompt_logprobs)
+
+    def make_child_requests(self, request: EngineCoreRequest) -> list[EngineCoreRequest]:
+        """The n engine requests for `request` (whose id and params are the parent's), in index order."""
+        return [
+            EngineCoreRequest(
+                request_id=self.child_req_ids[i],
+                prompt_token_ids=request.prompt_token_ids,
+                sampling_params=self.child_sampling_params(i),
+                eos_token_id=request.eos_token_id,
+                arrival_time=request.arrival_time,
+                priority=request.priority,
+                client_index=request.client_index,
+            )
+            for i in range(self.n)
+        ]
+
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished_indices
+
+
+@dataclass
+class _Delta:
+    """One child's report in one step, for the parent to gather."""
+
+    completion: CompletionOutput | None  # None: nothing to show this step (e.g. FINAL_ONLY)
+    finished: bool
+
+
+class RequestState:
+    """Everything the OutputProcessor keeps about one engine request while it runs."""
+
+    def __init__(
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        tokenizer,
+        token_text: _TokenTextCache | None,
+        parent: ParentRequest | None,
+        index: int,
+    ) -> None:
+        params = request.sampling_params
+        self.req_id = request.request_id
+        self.prompt = prompt
+        self.prompt_token_ids = request.prompt_token_ids
+        self.params = params
+        self.output_kind = params.output_kind
+        self.parent = parent
+        self.index = index
+        self.token_text = token_text  # None: no detokenization, so decoded_token is None too
+
+        self.detokenizer = None
+        if params.detokenize and tokenizer is not None:
+            self.detokenizer = IncrementalDetokenizer(
+                tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
+            )
+        self.stop = params.stop if self.detokenizer is not None else None
+        self.hold_back = stop_hold_back(self.stop, params.include_stop_str_in_output)
+
+        self.token_ids: list[int] = []
+        self.text = ""  # detokenized text, cut at a stop string
+        self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.prompt_logprobs: PromptLogprobs | None = [None] if params.prompt_logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0
+        # DELTA bookkeeping: how much of each stream the caller has seen.
+        self.num_sent_tokens = 0
+        self.num_sent_chars = 0
+        self.prompt_logprobs_sent = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, out: EngineCoreOutput) -> bool:
+        """Folds one step into the state; returns True if a stop string finished the request here."""
+        self.token_ids += out.new_token_ids
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.new_logprobs is not None and self.logprobs is not None:
+            rows = self._logprob_dicts(out.new_logprobs, self.params.logprobs)
+            self.logprobs += rows
+            self.cumulative_logprob += sum(lps[0] for lps in out.new_logprobs.logprobs)
+        if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
+            self.prompt_logprobs += self._logprob_dicts(out.new_prompt_logprobs, self.params.prompt_logprobs)
+        if out.finished:
+            self.finish_reason, self.stop_reason = str(out.finish_reason), out.stop_reason
+
+        if self.detokenizer is None:
+            return False
+        ids = out.new_token_ids
+        # A stop token (EOS or one of stop_token_ids) ends the text without appearing in it,
+        # unless the request asks for its stop string/token to be kept.
+        stopped_by_token = out.finish_reason == FinishReason.STOP and not isinstance(out.stop_reason, str)
+        if stopped_by_token and ids and not self.params.include_stop_str_in_output:
+            ids = ids[:-1]
+        new_text = self.detokenizer.update(ids, finished=out.finished)
+        self.text += new_text
+        # As in vLLM, stop strings are ignored while the output is shorter than min_tokens.
+        if not self.stop or not new_text or len(self.token_ids) <= self.params.min_tokens:
+            return False
+        hit = find_stop_string(self.text, len(new_text), self.stop, self.params.include_stop_str_in_output)
+        if hit is None:
+            return False
+        stop_str, cut = hit
+        self.text = self.text[:cut]
+        # A stop string overrides whatever the engine said in the same step (e.g. "length").
+        self.finish_reason, self.stop_reason = str(FinishReason.STOP), stop_str
+        return not out.finished
+
+    def _logprob_dicts(self, lists: LogprobsLists, num_top: int) -> list[dict[int, Logprob]]:
+        """Per position {token_id: Logprob}: the chosen token (its true rank) first, then the top num_top."""
+        decode = self.token_text.get if self.token_text is not None else (lambda _: None)
+        rows = []
+        for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
+            row = {ids[0]: Logprob(lps[0], rank, decode(ids[0]))}
+            # Columns 1..K hold the top-K in order, so column k has rank k. The engine may send
+            # more columns than this request asked for (it samples a batch with one K).
+            for k in range(1, min(num_top, len(ids) - 1) + 1):
+                if ids[k] not in row:  # the chosen token keeps its own entry
+                    row[ids[k]] = Logprob(lps[k], k, decode(ids[k]))
+            rows.append(row)
+        return rows
+
+    def make_completion(self) -> CompletionOutput | None:
+        """The CompletionOutput to report after a step, per output kind (None: report nothing)."""
+        finished = self.finished
+        if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        # Withhold a tail that may turn out to start a stop string. Invariant: the text never
+        # shrinks below what was already shown, because a stop string found later starts at
+        # most hold_back characters before the text of its step (see find_stop_string).
+        num_visible = len(self.text) if finished else max(self.num_sent_chars, len(self.text) - self.hold_back)
+        if self.output_kind == RequestOutputKind.DELTA:
+            start_tok, start_char = self.num_sent_tokens, self.num_sent_chars
+        else:
+            # CUMULATIVE copies everything so far, so callers may keep earlier outputs unchanged.
+            start_tok, start_char = 0, 0
+        self.num_sent_tokens, self.num_sent_chars = len(self.token_ids), num_visible
+        return CompletionOutput(
+            index=self.index,
+            text=self.text[start_char:num_visible],
+            token_ids=self.token_ids[start_tok:],
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs[start_tok:] if self.logprobs is not None else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+    def take_prompt_logprobs(self, kind: RequestOutputKind) -> PromptLogprobs | None:
+        """Prompt logprobs for an output: every time, or once for DELTA."""
+        if kind == RequestOutputKind.DELTA:
+            if self.prompt_logprobs_sent:
+                return None
+            self.prompt_logprobs_sent = True
+        return self.prompt_logprobs
+
+
+class _TokenTextCache:
+    """Text of single token ids (for Logprob.decoded_token), decoded once per id."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def get(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+class OutputProcessor:
+    """Frontend-side processing of engine outputs for all of one client's requests."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._token_text = _TokenTextCache(tokenizer) if tokenizer is not None else None
+        self.request_states: dict[str, RequestState] = {}  # by engine request id
+        self.parent_requests: dict[str, ParentRequest] = {}  # by parent (user) request id
+
+    def add_request(
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        parent_req: ParentRequest | None = None,
+        index: int = 0,
+    ) -> None:
+        req_id = request.request_id
+        if req_id in self.request_states:
+            raise ValueError(f"request_id: {req_id!r} is already running")
+        token_text = self._token_text if request.sampling_params.detokenize else None
+        state = RequestState(request, prompt, self.tokenizer, token_text, parent_req, index)
+        self.request_states[req_id] = state
+        if parent_req is not None:
+            parent_req.child_states[index] = state
+            self.parent_requests[parent_req.request_id] = parent_req
+
+    def abort_requests(self, req_ids: list[str]) -> list[str]:
+        """Forgets requests (parent ids expand to their children); returns the engine request ids removed."""
+        removed = []
+        for req_id in req_ids:
+            parent = self.parent_requests.pop(req_id, None)
+            for child_id in parent.child_req_ids if parent is not None else [req_id]:
+                state = self.request_states.pop(child_id, None)
+                if state is not None:
+                    removed.append(child_id)
+                    if state.parent is not None and not any(
+                        c in self.request_states for c in state.parent.child_req_ids
+                    ):
+                        self.parent_requests.pop(state.parent.request_id, None)
+        return removed
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.request_states)
+
+    def process_outputs(self, engine_core_outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+        request_outputs: list[RequestOutput] = []
+        reqs_to_abort: list[str] = []
+        # Children's reports are gathered per parent so each step yields one output per parent.
+        parent_reports: dict[str, dict[int, _Delta]] = {}
+        for out in engine_core_outputs:
+            state = self.request_states.get(out.request_id)
+            if state is None:
+                continue  # aborted meanwhile
+            if state.update(out):
+                reqs_to_abort.append(state.req_id)
+            if state.finished:
+                del self.request_states[state.req_id]
+            # Steps without new tokens (prompt-logprob chunks of a chunked prefill) report nothing.
+            if not out.new_token_ids and not state.finished:
+                continue
+            completion = state.make_completion()
+            if state.parent is not None:
+                parent_reports.setdefault(state.parent.request_id, {})[state.index] = _Delta(completion, state.finished)
+            elif completion is not None:
+                request_outputs.append(
+                    RequestOutput(
+                        request_id=state.req_id,
+                        prompt=state.prompt,
+                        prompt_token_ids=state.prompt_token_ids,
+                        prompt_logprobs=state.take_prompt_logprobs(state.output_kind),
+                        outputs=[completion],
+                        finished=state.finished,
+                        num_cached_tokens=state.num_cached_tokens,
+                    )
+                )
+        for parent_id, reports in parent_reports.items():
+            output = self._gather(self.parent_requests[parent_id], reports)
+            if output is not None:
+                request_outputs.append(output)
+        return OutputProcessorOutput(request_outputs, reqs_to_abort)
+
+    def _gather(self, parent: ParentRequest, reports: dict[int, _Delta]) -> RequestOutput | None:
+        """One RequestOutput for a parent from its children's reports of this step."""
+        kind = parent.sampling_params.output_kind
+        for index, report in reports.items():
+            if report.completion is not None:
+                parent.latest[index] = report.completion
+            if report.finished:
+                parent.unfinished_indices.discard(index)
+        finished = parent.finished
+        if finished:
+            del self.parent_requests[parent.request_id]
+
+        if kind == RequestOutputKind.FINAL_ONLY:
+            if not finished:
+                return None
+            outputs = parent.latest
+        elif kind == RequestOutputKind.DELTA:
+            outputs = [reports[i].completion for i in sorted(reports) if reports[i].completion is not None]
+        else:  # CUMULATIVE: every child's state so far, empty for children yet to report
+            outputs = [c if c is not None else self._empty_completion(parent, i) for i, c in enumerate(parent.latest)]
+
+        first = parent.child_states[0]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            prompt_logprobs=first.take_prompt_logprobs(kind),
+            outputs=list(outputs),
+            finished=finished,
+            num_cached_tokens=max(c.num_cached_tokens for c in parent.child_states.values()),
+        )
+
+    @staticmethod
+    def _empty_completion(parent: ParentRequest, index: int) -> CompletionOutput:
+        wants_logprobs = parent.sampling_params.logprobs is not None
+        return CompletionOutput(
+            index=index,
+            text="",
+            token_ids=[],
+            cumulative_logprob=0.0 if wants_logprobs else None,
+            logprobs=[] if wants_logprobs else None,
+        )

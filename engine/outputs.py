@@ -1,0 +1,51 @@
+"""User-facing generation results (vLLM's RequestOutput / CompletionOutput / Logprob shapes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Logprob:
+    """The log-probability of one token at one position, its rank in the vocabulary and its text."""
+
+    logprob: float
+    rank: int | None = None  # 1 = most likely
+    decoded_token: str | None = None  # None when the request asked for no detokenization
+
+
+# Per generated position: {token_id: Logprob}, the sampled token first, then the top-k.
+SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt position: None for the first token (nothing precedes it), then as above.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class CompletionOutput:
+    """One completion (one of a request's n samples)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None  # "stop", "length", "abort", "error", "repetition"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What a caller receives for one request: the prompt and its completions so far (or new since last)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: Any | None = None

@@ -1,0 +1,128 @@
+"""The Sampler: turns one step's logits and SamplingMetadata into sampled tokens and logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sample.logits_processors import apply_allowed_token_ids, apply_bad_words, apply_logit_bias, apply_min_tokens
+from engine.sample.logprobs import LogprobsTensors, gather_logprobs
+from engine.sample.metadata import SamplingMetadata
+from engine.sample.penalties import apply_penalties
+from engine.sample.random_sampling import sample_from_probs
+from engine.sample.topk_topp import apply_min_p, apply_temperature, apply_top_k_top_p
+
+# Same threshold as SamplingParams.greedy, so a near-zero temperature never divides logits.
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplerOutput:
+    """One token per row, plus logprobs when any row asked for them."""
+
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None
+
+
+def _has_penalties(md: SamplingMetadata) -> bool:
+    return any(t is not None for t in (md.presence_penalties, md.frequency_penalties, md.repetition_penalties))
+
+
+def _has_processors(md: SamplingMetadata) -> bool:
+    return bool(md.allowed_token_ids_mask is not None or md.bad_words_token_ids or md.min_tokens or md.logit_bias)
+
+
+class Sampler:
+    """Stateless apart from an optional generator for rows without their own seed.
+
+    Order of work (each step only when some row uses it):
+      1. raw snapshot (raw_* logprobs modes)
+      2. allowed_token_ids, bad words, min_tokens, logit_bias
+      3. presence / frequency / repetition penalties
+      4. greedy rows: argmax of the logits so far
+      5. random rows: temperature, top-k / top-p, min-p
+      6. processed snapshot (processed_* modes)
+      7. random rows: exponential-race sampling
+      8. logprobs of the sampled token plus the top-K from the chosen snapshot
+    """
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        # Draws for unseeded rows; None uses torch's default generator.
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        md = metadata
+        wants_logprobs = md.max_num_logprobs is not None
+        if md.all_greedy and not wants_logprobs and not _has_processors(md) and not _has_penalties(md):
+            # Fast path: nothing changes the argmax.
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
+
+        # Own copy: the caller's logits are never modified.
+        logits = logits.to(torch.float32, copy=True)  # [B, V]
+
+        # (1) raw snapshot.
+        snapshot: torch.Tensor | None = None
+        if wants_logprobs and md.logprobs_mode == "raw_logprobs":
+            snapshot = logits.log_softmax(dim=-1)
+        elif wants_logprobs and md.logprobs_mode == "raw_logits":
+            snapshot = logits.clone()
+
+        # (2) per-request edits.
+        if md.allowed_token_ids_mask is not None:
+            apply_allowed_token_ids(logits, md.allowed_token_ids_mask)
+        if md.bad_words_token_ids:
+            apply_bad_words(logits, md.bad_words_token_ids, md.output_token_ids)
+        if md.min_tokens:
+            apply_min_tokens(logits, md.min_tokens, md.output_token_ids)
+        if md.logit_bias:
+            apply_logit_bias(logits, md.logit_bias)
+
+        # (3) penalties.
+        if _has_penalties(md):
+            apply_penalties(
+                logits,
+                md.prompt_token_ids,
+                md.output_token_ids,
+                md.presence_penalties,
+                md.frequency_penalties,
+                md.repetition_penalties,
+            )
+
+        # (4) greedy rows.
+        greedy_ids = None if md.all_random else logits.argmax(dim=-1)  # [B]
+
+        if md.all_greedy:
+            sampled = greedy_ids
+        else:
+            temperature = md.temperature.to(logits.device)  # [B]
+            greedy_mask = None if md.all_random else temperature < _GREEDY_EPS  # [B] bool
+            # (5) random-row shaping; greedy rows get neutral values so their processed
+            # logits are exactly the penalized ones.
+            top_k, top_p, min_p = md.top_k, md.top_p, md.min_p
+            if greedy_mask is not None:
+                top_k = None if top_k is None else top_k.to(logits.device).masked_fill(greedy_mask, 0)
+                top_p = None if top_p is None else top_p.to(logits.device).masked_fill(greedy_mask, 1.0)
+                min_p = None if min_p is None else min_p.to(logits.device).masked_fill(greedy_mask, 0.0)
+            apply_temperature(logits, temperature, greedy_mask)
+            apply_top_k_top_p(logits, top_k, top_p)
+            if min_p is not None:
+                apply_min_p(logits, min_p)
+
+            # (7) sample; greedy rows keep their argmax.
+            probs = logits.softmax(dim=-1)  # [B, V]
+            random_ids = sample_from_probs(probs, md.generators, self.generator)  # [B]
+            sampled = random_ids if greedy_mask is None else torch.where(greedy_mask, greedy_ids, random_ids)
+
+        # (6) processed snapshot (taken after sampling only because nothing below changes logits).
+        if wants_logprobs and md.logprobs_mode == "processed_logprobs":
+            snapshot = logits.log_softmax(dim=-1)
+        elif wants_logprobs and md.logprobs_mode == "processed_logits":
+            snapshot = logits
+
+        # (8) logprobs.
+        logprobs = None
+        if wants_logprobs:
+            assert snapshot is not None, f"unknown logprobs_mode {md.logprobs_mode!r}"
+            logprobs = gather_logprobs(snapshot, sampled, md.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled.to(torch.int64), logprobs=logprobs)

@@ -1,0 +1,196 @@
+"""ModelRunner: applies a SchedulerOutput diff to persistent request state, runs the model and samples."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig
+from engine.core.sched_output import SchedulerOutput
+from engine.forward_context import set_forward_context
+from engine.sample import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs, make_generator
+from engine.wire import LogprobsLists
+from engine.worker.input_batch import InputBatch, make_input_batch
+from engine.worker.model_state import model_state_for
+from engine.worker.request_state import RequestState
+from engine.worker.runner_output import ModelRunnerOutput
+
+
+class ModelRunner:
+    """Owns per-request state between steps; the worker owns the model and KV tensors."""
+
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device,
+                 architecture: str, vocab_size: int, max_model_len: int) -> None:
+        self.config = config
+        self.model = model
+        self.device = device
+        self.block_size = config.cache.block_size
+        self.vocab_size = vocab_size
+        self.logprobs_mode = config.model.logprobs_mode
+        max_num_blocks_per_req = -(-max_model_len // self.block_size)
+        self.state = RequestState(config.scheduler.max_num_seqs, max_model_len, max_num_blocks_per_req)
+        self.model_state = model_state_for(architecture, device)
+        # Rows without their own seed draw from one engine-wide generator (ModelConfig.seed).
+        generator = torch.Generator(device=device)
+        generator.manual_seed(config.model.seed)
+        self.sampler = Sampler(generator)
+        self.eos_token_ids: dict[str, int | None] = {}
+
+    # ---- state updates -------------------------------------------------------------------
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids | sched.preempted_req_ids:
+            self.state.remove_request(req_id)
+            self.eos_token_ids.pop(req_id, None)
+        for new in sched.scheduled_new_reqs:
+            self.state.add_request(new)
+            self.eos_token_ids[new.req_id] = new.eos_token_id
+        cached = sched.scheduled_cached_reqs
+        for req_id, new_block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            slot = self.state.req_id_to_slot[req_id]
+            self.state.num_computed_tokens[slot] = num_computed
+            if new_block_ids:
+                self.state.append_block_ids(slot, new_block_ids)
+
+    # ---- the step --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        if sched.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput.empty()
+        batch = make_input_batch(self.state, sched, self.block_size)
+        attn_metadata = self.model_state.attn_metadata(batch)
+        with set_forward_context(attn_metadata):
+            hidden = self.model(**self.model_state.model_inputs(batch))  # [T, hidden]
+
+        prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        sampled: list[list[int]] = [[] for _ in batch.req_ids]
+        row_logprobs: list[LogprobsLists | None] | None = None
+        if len(batch.sample_rows):
+            logits_indices = torch.from_numpy(batch.logits_indices).to(self.device)
+            logits = self.model.compute_logits(hidden[logits_indices])  # [S, V] float32
+            metadata = self._sampling_metadata(batch)
+            out = self.sampler(logits, metadata)
+            token_ids = out.sampled_token_ids.tolist()  # the step's one host sync
+            for i, row in enumerate(batch.sample_rows.tolist()):
+                sampled[row] = [token_ids[i]]
+                self.state.append_token(int(batch.slots[row]), token_ids[i])
+            if out.logprobs is not None:
+                row_logprobs = self._split_logprobs(batch, out.logprobs)
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids,
+            sampled_token_ids=sampled,
+            logprobs=row_logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    # ---- sampling inputs ------------------------------------------------------------------
+
+    def _sampling_metadata(self, batch: InputBatch) -> SamplingMetadata:
+        st = self.state
+        slots = batch.slots[batch.sample_rows]  # [S]
+        slots_t = torch.from_numpy(slots)
+        params = [st.sampling_params[s] for s in slots.tolist()]
+        temperature = st.temperature[slots_t]
+        greedy = temperature == 0.0
+        num_outputs = (st.num_tokens[slots] - st.num_prompt_tokens[slots]).tolist()
+
+        def column(values: torch.Tensor, off_value: float) -> torch.Tensor | None:
+            col = values[slots_t]
+            return col.to(self.device) if bool((col != off_value).any()) else None
+
+        generators = {
+            i: make_generator(sp.seed, num_outputs[i], self.device)
+            for i, sp in enumerate(params)
+            if sp.seed is not None and not sp.greedy
+        }
+        presence = st.presence_penalty[slots_t]
+        frequency = st.frequency_penalty[slots_t]
+        repetition = st.repetition_penalty[slots_t]
+        use_penalties = bool((presence != 0).any() or (frequency != 0).any() or (repetition != 1).any())
+        need_outputs = use_penalties or any(sp.bad_words_token_ids for sp in params)
+        output_token_ids = [st.output_ids(s) for s in slots.tolist()] if need_outputs else []
+        prompt_token_ids = None
+        if use_penalties:
+            max_prompt = int(st.num_prompt_tokens[slots].max())
+            padded = np.full((len(slots), max_prompt), self.vocab_size, dtype=np.int64)
+            for i, s in enumerate(slots.tolist()):
+                prompt = st.prompt_ids(s)
+                padded[i, : len(prompt)] = prompt
+            prompt_token_ids = torch.from_numpy(padded).to(self.device)
+
+        min_tokens = {}
+        for i, sp in enumerate(params):
+            if num_outputs[i] < sp.min_tokens:
+                stop_ids = sp.all_stop_token_ids
+                eos = self.eos_token_ids.get(batch.req_ids[batch.sample_rows[i]])
+                if eos is not None and not sp.ignore_eos:
+                    stop_ids = stop_ids | {eos}
+                min_tokens[i] = (sp.min_tokens, stop_ids)
+
+        allowed_mask = None
+        if any(sp.allowed_token_ids for sp in params):
+            allowed_mask = torch.zeros(len(params), self.vocab_size, dtype=torch.bool)
+            for i, sp in enumerate(params):
+                if sp.allowed_token_ids:
+                    allowed_mask[i] = True
+                    allowed_mask[i, sp.allowed_token_ids] = False
+            allowed_mask = allowed_mask.to(self.device)
+
+        wanted = [sp.logprobs for sp in params if sp.logprobs is not None]
+        return SamplingMetadata(
+            temperature=temperature.to(self.device),
+            all_greedy=bool(greedy.all()),
+            all_random=not bool(greedy.any()),
+            top_k=column(st.top_k, 0),
+            top_p=column(st.top_p, 1.0),
+            min_p=column(st.min_p, 0.0),
+            generators=generators,
+            presence_penalties=presence.to(self.device) if use_penalties else None,
+            frequency_penalties=frequency.to(self.device) if use_penalties else None,
+            repetition_penalties=repetition.to(self.device) if use_penalties else None,
+            prompt_token_ids=prompt_token_ids,
+            output_token_ids=output_token_ids,
+            min_tokens=min_tokens,
+            logit_bias={i: sp.logit_bias for i, sp in enumerate(params) if sp.logit_bias},
+            bad_words_token_ids={
+                i: sp.bad_words_token_ids for i, sp in enumerate(params) if sp.bad_words_token_ids
+            },
+            allowed_token_ids_mask=allowed_mask,
+            max_num_logprobs=max(wanted) if wanted else None,
+            logprobs_mode=self.logprobs_mode,
+        )
+
+    def _split_logprobs(self, batch: InputBatch, lp: LogprobsTensors) -> list[LogprobsLists | None]:
+        rows: list[LogprobsLists | None] = [None] * batch.num_reqs
+        token_ids, logprobs, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+        for i, row in enumerate(batch.sample_rows.tolist()):
+            sp = self.state.sampling_params[int(batch.slots[row])]
+            if sp.logprobs is not None:
+                k = sp.logprobs + 1
+                rows[row] = LogprobsLists([token_ids[i][:k]], [logprobs[i][:k]], [ranks[i]])
+        return rows
+
+    # ---- prompt logprobs ------------------------------------------------------------------
+
+    def _prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
+        """Logprobs of prompt tokens 1..P-1 covered by this step (hidden at p predicts p+1)."""
+        out: dict[str, LogprobsLists] = {}
+        st = self.state
+        for row, slot in enumerate(batch.slots.tolist()):
+            sp = st.sampling_params[slot]
+            if sp.prompt_logprobs is None:
+                continue
+            start = int(batch.seq_lens[row] - batch.num_scheduled_tokens[row])
+            end = min(int(batch.seq_lens[row]), int(st.num_prompt_tokens[slot]) - 1)
+            if start >= end:
+                continue
+            first = int(batch.query_start_loc[row])
+            logits = self.model.compute_logits(hidden[first : first + end - start])  # [n, V]
+            targets = torch.from_numpy(st.token_ids[slot, start + 1 : end + 1]).to(self.device)
+            lp = gather_logprobs(torch.log_softmax(logits, dim=-1), targets, sp.prompt_logprobs)
+            out[batch.req_ids[row]] = lp.to_lists()
+        return out

@@ -1,0 +1,93 @@
+"""RequestState: persistent per-request state in preallocated arrays, one slot per live request."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.core.sched_output import NewRequestData
+from engine.sampling_params import SamplingParams
+
+
+class RequestState:
+    """The model runner's memory of every request it holds, across steps.
+
+    A request gets a slot when it first arrives (or comes back after a preemption) and keeps
+    it until it finishes or is preempted; per-step inputs are gathered from these arrays by
+    slot, so a running request costs the scheduler only a small diff each step.
+    Invariant: num_computed_tokens[s] <= num_tokens[s] <= max_model_len.
+    """
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        # Host arrays: the scheduler's diffs land here, per-step inputs are gathered from here.
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # prompt + sampled so far
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Sampling parameters as columns, so a step's batch is one fancy-index away.
+        self.temperature = torch.zeros(max_num_reqs, dtype=torch.float32)
+        self.top_k = torch.zeros(max_num_reqs, dtype=torch.int64)
+        self.top_p = torch.ones(max_num_reqs, dtype=torch.float32)
+        self.min_p = torch.zeros(max_num_reqs, dtype=torch.float32)
+        self.presence_penalty = torch.zeros(max_num_reqs, dtype=torch.float32)
+        self.frequency_penalty = torch.zeros(max_num_reqs, dtype=torch.float32)
+        self.repetition_penalty = torch.ones(max_num_reqs, dtype=torch.float32)
+        self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
+
+        self.req_id_to_slot: dict[str, int] = {}
+        self.slot_to_req_id: list[str | None] = [None] * max_num_reqs
+        self._free_slots = list(range(max_num_reqs - 1, -1, -1))
+
+    def add_request(self, new: NewRequestData) -> int:
+        if new.req_id in self.req_id_to_slot:
+            raise ValueError(f"request {new.req_id!r} is already in the model runner")
+        slot = self._free_slots.pop()
+        self.req_id_to_slot[new.req_id] = slot
+        self.slot_to_req_id[slot] = new.req_id
+        n = len(new.token_ids)
+        self.token_ids[slot, :n] = new.token_ids
+        self.num_tokens[slot] = n
+        self.num_prompt_tokens[slot] = new.num_prompt_tokens
+        self.num_computed_tokens[slot] = new.num_computed_tokens
+        self.num_blocks[slot] = 0
+        self.append_block_ids(slot, new.block_ids)
+
+        sp = new.sampling_params
+        self.sampling_params[slot] = sp
+        self.temperature[slot] = 0.0 if sp.greedy else sp.temperature
+        self.top_k[slot] = max(sp.top_k, 0)
+        self.top_p[slot] = sp.top_p
+        self.min_p[slot] = sp.min_p
+        self.presence_penalty[slot] = sp.presence_penalty
+        self.frequency_penalty[slot] = sp.frequency_penalty
+        self.repetition_penalty[slot] = sp.repetition_penalty
+        return slot
+
+    def remove_request(self, req_id: str) -> None:
+        slot = self.req_id_to_slot.pop(req_id, None)
+        if slot is None:
+            return
+        self.slot_to_req_id[slot] = None
+        self.sampling_params[slot] = None
+        self._free_slots.append(slot)
+
+    def append_block_ids(self, slot: int, block_ids: list[int]) -> None:
+        start = int(self.num_blocks[slot])
+        self.block_table[slot, start : start + len(block_ids)] = block_ids
+        self.num_blocks[slot] = start + len(block_ids)
+
+    def append_token(self, slot: int, token_id: int) -> None:
+        n = int(self.num_tokens[slot])
+        if n < self.max_model_len:
+            self.token_ids[slot, n] = token_id
+            self.num_tokens[slot] = n + 1
+
+    def prompt_ids(self, slot: int) -> np.ndarray:
+        return self.token_ids[slot, : self.num_prompt_tokens[slot]]
+
+    def output_ids(self, slot: int) -> list[int]:
+        return self.token_ids[slot, self.num_prompt_tokens[slot] : self.num_tokens[slot]].tolist()

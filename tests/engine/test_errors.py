@@ -1,0 +1,69 @@
+"""Bad input raises ValueError naming the field, and the engine keeps serving."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return LLM(tiny_checkpoint("llama"), dtype="float32", max_model_len=64, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_prompt_over_max_model_len_is_rejected_and_the_engine_keeps_serving(llm):
+    good = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    before = llm.generate("hello there", good, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(["hello there", {"prompt_token_ids": [5] * 65}], good, use_tqdm=False)
+    assert not llm.engine_core.has_unfinished_requests()  # the good prompt was not left behind
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate("hi", SamplingParams(stop_token_ids=[10**9]), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate({"prompt_token_ids": []}, good, use_tqdm=False)
+    assert llm.generate("hello there", good, use_tqdm=False)[0].outputs[0].token_ids == before
+
+
+def test_unknown_architecture_names_the_field(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("llama")
+    dst = tmp_path / "bad"
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["architectures"] = ["FooForCausalLM"]
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="architectures"):
+        LLM(str(dst), device="cpu")
+
+
+def test_bad_engine_args_name_the_field(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(path, max_model_len=10**6, device="cpu")
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(path, dtype="int3", device="cpu")
+    with pytest.raises(ValueError, match="model"):
+        LLM("/nonexistent/dir", device="cpu")

@@ -1,0 +1,93 @@
+"""The torch reference paged attention against naive per-row causal attention on random inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.attention.layer import Attention
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.torch_ref import paged_attention, write_kv_cache
+from engine.forward_context import get_forward_context, set_forward_context
+
+
+def naive_attention(q, k, v, scale):
+    """q [L, Hq, D] at the last L positions of k, v [S, Hkv, D]; causal, GQA by repeating kv heads."""
+    query_len, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, L, S]
+    query_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
+    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("head_size", [32, 64, 128])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
+def test_mixed_batch_matches_naive(head_size, block_size, num_heads, num_kv_heads):
+    gen = torch.Generator().manual_seed(head_size * 7 + block_size + num_heads)
+    # (query_len, seq_len): fresh prefill, chunk over a cached prefix, decodes of varied lengths.
+    rows = [(9, 9), (1, 37), (5, 21), (1, 1), (1, 16), (17, 50), (2, 2)]
+    num_blocks = 64
+    scale = 1 / math.sqrt(head_size)
+    # Unused slots hold NaN garbage: the reference must never let it reach the output.
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_size), float("nan"))
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+
+    block_table, contexts, queries, expected = [], [], [], []
+    for query_len, seq_len in rows:
+        n = -(-seq_len // block_size)
+        block_table.append([perm.pop() for _ in range(n)])
+        k = torch.randn(seq_len, num_kv_heads, head_size, generator=gen)
+        v = torch.randn(seq_len, num_kv_heads, head_size, generator=gen)
+        q = torch.randn(query_len, num_heads, head_size, generator=gen)
+        contexts.append((k, v))
+        queries.append(q)
+        expected.append(naive_attention(q, k, v, scale))
+
+    # The cached prefix of each row is written by an earlier "step".
+    prefix = AttentionMetadata.build([s - q for q, s in rows], [s - q for q, s in rows], block_table, block_size)
+    write_kv_cache(
+        torch.cat([k[: s - q] for (k, _), (q, s) in zip(contexts, rows)]),
+        torch.cat([v[: s - q] for (_, v), (q, s) in zip(contexts, rows)]),
+        kv_cache,
+        prefix.slot_mapping,
+    )
+    metadata = AttentionMetadata.build([q for q, _ in rows], [s for _, s in rows], block_table, block_size)
+    write_kv_cache(
+        torch.cat([k[s - q :] for (k, _), (q, s) in zip(contexts, rows)]),
+        torch.cat([v[s - q :] for (_, v), (q, s) in zip(contexts, rows)]),
+        kv_cache,
+        metadata.slot_mapping,
+    )
+    out = paged_attention(torch.cat(queries), kv_cache, metadata, scale)
+    torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
+
+
+def test_padding_tokens_are_ignored():
+    gen = torch.Generator().manual_seed(0)
+    kv_cache = torch.zeros(2, 8, 4, 2, 32)
+    metadata = AttentionMetadata.build([3], [3], [[5]], 4)
+    k, v = torch.randn(2, 5, 2, 32, generator=gen)  # 3 real tokens + 2 padding
+    write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+    assert torch.equal(kv_cache[0, 5, :3], k[:3]) and kv_cache[:, 5, 3].eq(0).all()
+    out = paged_attention(torch.randn(5, 4, 32, generator=gen), kv_cache, metadata, 0.1)
+    assert out[3:].eq(0).all()
+
+
+def test_attention_layer_reads_forward_context():
+    gen = torch.Generator().manual_seed(3)
+    layer = Attention(num_heads=4, head_size=16, scale=0.25, num_kv_heads=2)
+    layer.kv_cache = torch.zeros(2, 4, 4, 2, 16)
+    metadata = AttentionMetadata.build([6], [6], [[2, 0]], 4)
+    q, k, v = torch.randn(6, 64, generator=gen), torch.randn(6, 32, generator=gen), torch.randn(6, 32, generator=gen)
+    with pytest.raises(RuntimeError, match="forward context"):
+        get_forward_context()
+    with set_forward_context(metadata):
+        out = layer(q, k, v)
+    expected = naive_attention(q.view(6, 4, 16), k.view(6, 2, 16), v.view(6, 2, 16), 0.25)
+    torch.testing.assert_close(out, expected.reshape(6, 64), atol=1e-5, rtol=1e-5)
