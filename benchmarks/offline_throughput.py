@@ -19,10 +19,12 @@ import torch
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="tiny-llama", help="checkpoint directory or built-in tiny model name")
-    p.add_argument("--num-requests", type=int, default=128)
-    p.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
-    p.add_argument("--max-num-seqs", type=int, default=128)
+    # Defaults: the nano-vllm workload's shape (uniform prompt and output lengths, more
+    # requests than one batch holds), scaled down for a 2-core CPU and the tiny model.
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--input-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
+    p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--hf-batch-size", type=int, default=None, help="HF static batch size (default: max-num-seqs)")
     p.add_argument("--dtype", default="auto")

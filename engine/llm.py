@@ -13,7 +13,7 @@ from engine.engine_core import EngineCore
 from engine.output_processor import OutputProcessor, ParentRequest
 from engine.outputs import RequestOutput
 from engine.processor import Processor, PromptType
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -54,6 +54,11 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: {len(priority)} given for {len(prompts)} prompts")
 
+        # Offline callers see only finished outputs: skip building per-step snapshots.
+        params_list = [
+            p.clone(output_kind=RequestOutputKind.FINAL_ONLY) if isinstance(p, SamplingParams) else p
+            for p in params_list
+        ]
         # Validate everything first, so a bad prompt leaves the engine untouched.
         requests = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,6 +33,9 @@ class AttentionMetadata:
     # Host copies, so the reference path can split rows without a device sync.
     query_lens_cpu: list[int]  # [num_reqs]
     seq_lens_cpu: list[int]  # [num_reqs]
+    # Scratch for the attention backend: how it split this step's rows, computed on the
+    # first layer and reused by the others (the metadata lives for one forward pass).
+    backend_plan: Any = None
 
     @property
     def num_reqs(self) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -26,6 +28,42 @@ def write_kv_cache(
     flat_cache[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
+# Decode rows are sorted by context length and padded per group of this many rows, so a
+# short context never pays for the longest one in the batch.
+_DECODE_GROUP_SIZE = 32
+
+
+@dataclass
+class _Plan:
+    """How one step's rows are split; built on the first layer, reused by the others."""
+
+    # (token indices [g], block ids [g, num_blocks], additive mask [g, 1, 1, ctx]) per decode group.
+    decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    # (first token, last token + 1, row) per row with more than one query token.
+    prefill_rows: list[tuple[int, int, int]]
+
+
+def _make_plan(metadata: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+    query_lens, seq_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu
+    starts = [0]
+    for query_len in query_lens:
+        starts.append(starts[-1] + query_len)
+    decode_rows = sorted((i for i, n in enumerate(query_lens) if n == 1), key=lambda i: seq_lens[i])
+    groups = []
+    for g in range(0, len(decode_rows), _DECODE_GROUP_SIZE):
+        rows = decode_rows[g : g + _DECODE_GROUP_SIZE]
+        lens = torch.tensor([seq_lens[i] for i in rows], device=device)
+        num_blocks = -(-seq_lens[rows[-1]] // block_size)  # rows are sorted: the last is longest
+        row_ids = torch.tensor(rows, device=device)
+        block_ids = metadata.block_table[row_ids, :num_blocks].long()  # [g, num_blocks]
+        valid = torch.arange(num_blocks * block_size, device=device)[None, :] < lens[:, None]  # [g, ctx]
+        bias = torch.zeros(valid.shape, device=device).masked_fill_(~valid, float("-inf"))
+        tokens = torch.tensor([starts[i] for i in rows], device=device)
+        groups.append((tokens, block_ids, bias[:, None, None, :]))
+    prefill_rows = [(starts[i], starts[i + 1], i) for i, n in enumerate(query_lens) if n > 1]
+    return _Plan(groups, prefill_rows)
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_size]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
@@ -34,36 +72,32 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
     """Causal attention of every request's new tokens over its cached context, for a mixed batch.
 
-    Rows with query_len == 1 (decodes) run together as one padded batch; longer rows
-    (prefill chunks, possibly over a cached prefix) run one at a time, since each costs
-    a matmul anyway. Tokens past num_actual_tokens (padding) get zeros.
+    Decode rows (query_len 1) run as a few padded batches of similar context length;
+    longer rows (prefill chunks, possibly over a cached prefix) run one at a time, since
+    each costs a matmul anyway. Tokens past num_actual_tokens (padding) get zeros.
     """
+    plan = metadata.backend_plan
+    if plan is None:
+        plan = metadata.backend_plan = _make_plan(metadata, kv_cache.shape[2], query.device)
     output = torch.zeros_like(query)
-    query_lens, seq_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu
-    starts = [0]
-    for query_len in query_lens:
-        starts.append(starts[-1] + query_len)
-
-    decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
-    if decode_rows:
-        token_ids = torch.tensor([starts[i] for i in decode_rows], device=query.device)
-        output[token_ids] = _decode_attention(
-            query[token_ids], kv_cache, metadata, decode_rows, [seq_lens[i] for i in decode_rows], scale
+    for tokens, block_ids, mask in plan.decode_groups:
+        output[tokens] = _decode_attention(query[tokens], kv_cache, block_ids, mask, scale)
+    for start, end, row in plan.prefill_rows:
+        output[start:end] = _prefill_attention(
+            query[start:end], kv_cache, metadata.block_table[row], metadata.seq_lens_cpu[row], scale
         )
-    for i, query_len in enumerate(query_lens):
-        if query_len > 1:
-            start, end = starts[i], starts[i + 1]
-            output[start:end] = _prefill_attention(
-                query[start:end], kv_cache, metadata.block_table[i], seq_lens[i], scale
-            )
     return output
 
 
 def _gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (keys, values), each [..., num_blocks_gathered * block_size, num_kv_heads, head_size]."""
-    key = kv_cache[0][block_ids]  # [..., n, block_size, Hkv, D]
-    value = kv_cache[1][block_ids]
-    return key.flatten(-4, -3), value.flatten(-4, -3)
+    """Returns (keys, values), each [*block_ids.shape[:-1], num_blocks * block_size, Hkv, D]."""
+    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    shape = (*block_ids.shape[:-1], block_ids.shape[-1] * block_size, num_kv_heads, head_size)
+    flat_ids = block_ids.reshape(-1)
+    # index_select on the block dimension is a plain strided copy (faster than fancy indexing).
+    key = kv_cache[0].index_select(0, flat_ids).view(shape)
+    value = kv_cache[1].index_select(0, flat_ids).view(shape)
+    return key, value
 
 
 def _prefill_attention(
@@ -98,29 +132,25 @@ def _prefill_attention(
 
 
 def _decode_attention(
-    query: torch.Tensor,  # [B, Hq, D], one new token per row
+    query: torch.Tensor,  # [g, Hq, D], one new token per row
     kv_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    rows: list[int],
-    seq_lens: list[int],
+    block_ids: torch.Tensor,  # [g, num_blocks]
+    mask: torch.Tensor,  # [g, 1, 1, num_blocks * block_size] float: 0 inside the context, -inf past it
     scale: float,
-) -> torch.Tensor:  # [B, Hq, D]
-    num_rows, num_heads, head_size = query.shape
-    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    max_ctx = max(seq_lens)
-    num_blocks = -(-max_ctx // block_size)
-    row_ids = torch.tensor(rows, device=query.device)
-    block_ids = metadata.block_table[row_ids, :num_blocks].long().clamp_(min=0)  # [B, num_blocks]
-    key, value = _gather_context(kv_cache, block_ids)  # [B, num_blocks * block_size, Hkv, D]
-    lens = torch.tensor(seq_lens, device=query.device)
-    valid = torch.arange(key.shape[1], device=query.device)[None, :] < lens[:, None]  # [B, ctx]
-    # Zero stale values: a zero softmax weight times a NaN would still be NaN.
-    value = value.masked_fill(~valid[:, :, None, None], 0.0)
+) -> torch.Tensor:  # [g, Hq, D]
+    """Decode rows as one padded batch; keys past a row's context are masked out.
 
-    group = num_heads // num_kv_heads
-    q = query.float().view(num_rows, num_kv_heads, group, head_size)  # [B, Hkv, G, D]
-    scores = torch.einsum("bhgd,bkhd->bhgk", q, key.float()) * scale  # [B, Hkv, G, ctx]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgk,bkhd->bhgd", probs, value.float())  # [B, Hkv, G, D]
-    return out.reshape(num_rows, num_heads, head_size).to(query.dtype)
+    Invariant relied on: every cache slot holds finite values (the worker zero-fills the
+    cache and only finite keys/values are written), so a masked stale value times a zero
+    attention weight stays zero.
+    """
+    num_rows, num_heads, head_size = query.shape
+    key, value = _gather_context(kv_cache, block_ids)  # [g, ctx, Hkv, D]
+    num_kv_heads = key.shape[2]
+    # The query heads sharing one KV head act as that head's "query positions" (GQA
+    # without expanding K/V): [g, Hkv, Hq / Hkv, D].
+    q = query.view(num_rows, num_kv_heads, num_heads // num_kv_heads, head_size)
+    out = F.scaled_dot_product_attention(
+        q, key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask, scale=scale
+    )  # [g, Hkv, Hq / Hkv, D]
+    return out.reshape(num_rows, num_heads, head_size)
