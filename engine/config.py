@@ -78,7 +78,7 @@ class SchedulerConfig:
     """Most requests running at once."""
     max_num_batched_tokens: int | None = None
     """Token budget of one step (prefill chunks and decodes together); default 2048 or max_model_len if larger is not needed."""
-    policy: SchedulingPolicy = "fcfs"
+    scheduling_policy: SchedulingPolicy = "fcfs"
     """`fcfs` (arrival order) or `priority` (lower value first, then arrival)."""
     enable_chunked_prefill: bool = True
     """Split long prompts over several steps; off means a prompt must fit one step's budget."""
@@ -88,7 +88,7 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        _check_choice("policy", self.policy, SchedulingPolicy)
+        _check_choice("scheduling_policy", self.scheduling_policy, SchedulingPolicy)
 
 
 @dataclass
@@ -111,6 +111,38 @@ class DeviceConfig:
 
 
 @dataclass
+class AdmissionConfig:
+    """Frontend admission control: refuse (HTTP 503) rather than queue without bound."""
+
+    max_num_queued_reqs: int | None = None
+    """Most requests waiting in the engine before new ones are refused; None: no limit."""
+    max_num_queued_tokens: int | None = None
+    """Most prompt tokens waiting in the engine before new requests are refused; None: no limit."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 0:
+            raise ValueError(f"max_num_queued_reqs must be >= 0, got {self.max_num_queued_reqs}")
+        if self.max_num_queued_tokens is not None and self.max_num_queued_tokens < 0:
+            raise ValueError(f"max_num_queued_tokens must be >= 0, got {self.max_num_queued_tokens}")
+
+
+@dataclass
+class ObservabilityConfig:
+    """Metrics and stats logging."""
+
+    disable_log_stats: bool = False
+    """Turn off the periodic stats log line."""
+    log_stats_interval: float = 10.0
+    """Seconds between two stats log lines."""
+    stat_loggers: list[str] = field(default_factory=list)
+    """Extra stat logger plugins by entry-point name (group `rollout_toolkit.stat_loggers`)."""
+
+    def __post_init__(self) -> None:
+        if self.log_stats_interval <= 0:
+            raise ValueError(f"log_stats_interval must be > 0, got {self.log_stats_interval}")
+
+
+@dataclass
 class EngineConfig:
     """Everything one engine needs; built once and shared read-only by its parts."""
 
@@ -118,6 +150,20 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+
+
+# The sections of EngineConfig, in --help order; their field names are unique across
+# sections, so flat engine arguments (LLM(..., block_size=16)) map onto them one to one.
+ENGINE_CONFIG_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "device": DeviceConfig,
+    "admission": AdmissionConfig,
+    "observability": ObservabilityConfig,
+}
 
 
 def _check_choice(name: str, value: object, literal: object) -> None:

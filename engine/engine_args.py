@@ -1,73 +1,48 @@
-"""EngineArgs: the flat, vLLM-named engine arguments, turned into a validated EngineConfig."""
+"""Flat engine arguments (vLLM's names) mapped onto the nested, documented config sections."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from typing import Any
 
-from engine.config import (
-    CacheConfig,
-    DeviceConfig,
-    DTypeName,
-    EngineConfig,
-    LogprobsMode,
-    ModelConfig,
-    SchedulerConfig,
-    SchedulingPolicy,
-)
+from engine.config import ENGINE_CONFIG_SECTIONS, EngineConfig
 
 
-@dataclass
-class EngineArgs:
-    model: str
-    tokenizer: str | None = None
-    dtype: DTypeName = "auto"
-    max_model_len: int | None = None
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    seed: int = 0
-    device: str = "auto"
-    logprobs_mode: LogprobsMode = "raw_logprobs"
-    scheduling_policy: SchedulingPolicy = "fcfs"
+def engine_arg_names() -> dict[str, str]:
+    """Every flat argument name -> the EngineConfig section that owns it."""
+    names: dict[str, str] = {}
+    for section, cls in ENGINE_CONFIG_SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert f.name not in names, f"config field {f.name!r} appears in two sections"
+            names[f.name] = section
+    return names
 
-    def create_engine_config(self) -> EngineConfig:
-        model = ModelConfig(
-            model=self.model,
-            tokenizer=self.tokenizer,
-            dtype=self.dtype,
-            max_model_len=self.max_model_len,
-            seed=self.seed,
-            logprobs_mode=self.logprobs_mode,
+
+def create_engine_config(**kwargs: Any) -> EngineConfig:
+    """Builds and validates an EngineConfig from flat arguments, e.g. model=DIR, block_size=16.
+
+    Unknown names raise TypeError listing them; bad values raise ValueError naming the field.
+    max_model_len defaults to (and may not exceed) the checkpoint's max_position_embeddings.
+    """
+    owners = engine_arg_names()
+    unknown = sorted(set(kwargs) - set(owners))
+    if unknown:
+        raise TypeError(f"unknown engine arguments: {unknown}")
+    if "model" not in kwargs:
+        raise TypeError("the engine needs model=<checkpoint directory>")
+    sections: dict[str, dict[str, Any]] = {name: {} for name in ENGINE_CONFIG_SECTIONS}
+    for name, value in kwargs.items():
+        sections[owners[name]][name] = value
+    built = {name: ENGINE_CONFIG_SECTIONS[name](**args) for name, args in sections.items()}
+    model = built["model"]
+
+    limit = model.hf_config_dict().get("max_position_embeddings")
+    if model.max_model_len is None:
+        if limit is None:
+            raise ValueError("max_model_len: config.json has no max_position_embeddings; pass max_model_len")
+        model.max_model_len = int(limit)
+    elif limit is not None and model.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len: {model.max_model_len} exceeds the model's max_position_embeddings={limit}"
         )
-        hf = model.hf_config_dict()
-        limit = hf.get("max_position_embeddings")
-        if model.max_model_len is None:
-            if limit is None:
-                raise ValueError("max_model_len: config.json has no max_position_embeddings; pass max_model_len")
-            model.max_model_len = int(limit)
-        elif limit is not None and model.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len: {model.max_model_len} exceeds the model's max_position_embeddings={limit}"
-            )
-        return EngineConfig(
-            model=model,
-            cache=CacheConfig(
-                block_size=self.block_size,
-                enable_prefix_caching=self.enable_prefix_caching,
-                num_gpu_blocks_override=self.num_gpu_blocks_override,
-                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                gpu_memory_utilization=self.gpu_memory_utilization,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                policy=self.scheduling_policy,
-                enable_chunked_prefill=self.enable_chunked_prefill,
-            ),
-            device=DeviceConfig(device=self.device),
-        )
+    return EngineConfig(**built)

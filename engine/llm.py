@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from engine.engine_args import EngineArgs
+from engine.engine_args import create_engine_config
 from engine.engine_core import EngineCore
 from engine.output_processor import OutputProcessor, ParentRequest
 from engine.outputs import RequestOutput
@@ -20,8 +20,7 @@ class LLM:
     """`LLM(model=DIR, **engine_args)`; argument names follow vLLM's where vLLM has one."""
 
     def __init__(self, model: str, **engine_args: Any) -> None:
-        self.engine_args = EngineArgs(model=model, **engine_args)
-        self.config = self.engine_args.create_engine_config()
+        self.config = create_engine_config(model=model, **engine_args)
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer)
         self.engine_core = EngineCore(self.config)
         self.processor = Processor(self.config, self.tokenizer)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 import msgspec
 
+from engine.core.stats import SchedulerStats
 from engine.sampling_params import SamplingParams
 
 
@@ -76,9 +78,28 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         return self.finish_reason is not None
 
 
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The answer to a UTILITY request: a result, or why the call failed."""
+
+    call_id: int
+    result: Any = None
+    failure_message: str | None = None
+
+
+class EngineCoreRequestType(bytes, enum.Enum):
+    """One-byte message types from a frontend to the EngineCore process."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     """All outputs of one engine step for one client."""
 
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0
     finished_requests: set[str] | None = None
+    scheduler_stats: SchedulerStats | None = None
+    utility_output: UtilityOutput | None = None
+    engine_index: int = 0

@@ -123,7 +123,7 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching)
 
         self.requests: dict[str, Request] = {}  # every unfinished request
-        self.waiting = PriorityWaitingQueue() if scheduler_config.policy == "priority" else FCFSWaitingQueue()
+        self.waiting = PriorityWaitingQueue() if scheduler_config.scheduling_policy == "priority" else FCFSWaitingQueue()
         self.running: list[Request] = []
         # Finished or aborted since the last schedule(): the runner drops their state.
         self.finished_req_ids: set[str] = set()

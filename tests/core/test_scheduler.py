@@ -211,7 +211,7 @@ def test_preemption_resumes_with_generated_tokens_and_same_result(caching):
 
 
 def test_priority_policy_orders_waiting_requests():
-    sched = make_scheduler(policy="priority", max_num_seqs=1)
+    sched = make_scheduler(scheduling_policy="priority", max_num_seqs=1)
     for req_id, priority, arrival in [("c", 3, 0.0), ("a", 1, 1.0), ("b", 2, 2.0), ("a2", 1, 3.0)]:
         sched.add_request(make_request(req_id, [1, 2, 3], priority=priority, arrival=arrival, max_tokens=2))
     order = []
@@ -222,7 +222,7 @@ def test_priority_policy_orders_waiting_requests():
 @pytest.mark.parametrize("policy, victim", [("priority", "low"), ("fcfs", "high")])
 def test_preemption_picks_lowest_priority(policy, victim):
     # 6 blocks of 4: both requests cannot reach 20 tokens at once.
-    sched = make_scheduler(num_blocks=6, max_model_len=24, policy=policy)
+    sched = make_scheduler(num_blocks=6, max_model_len=24, scheduling_policy=policy)
     runner = FakeRunner()
     sched.add_request(make_request("low", list(range(8)), priority=5, arrival=0.0, max_tokens=12))
     out = sched.schedule()
@@ -372,7 +372,7 @@ def test_random_workload_matches_reference(seed):
         max_model_len=40,
         max_num_batched_tokens=rng.choice([8, 24, 64]) if seed % 3 else 40,
         max_num_seqs=rng.choice([2, 4, 8]),
-        policy=rng.choice(["fcfs", "priority"]),
+        scheduling_policy=rng.choice(["fcfs", "priority"]),
         enable_chunked_prefill=seed % 3 != 0,
         caching=rng.random() < 0.7,
     )

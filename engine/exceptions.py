@@ -1,0 +1,35 @@
+"""Errors the engine's frontends raise, each knowing the HTTP status a server should answer with."""
+
+from __future__ import annotations
+
+
+class EngineDeadError(RuntimeError):
+    """The EngineCore process died or stopped answering; every waiting caller gets this."""
+
+    http_status = 503
+
+    def __init__(self, message: str = "the engine process is dead") -> None:
+        super().__init__(message)
+
+
+class EngineStartupError(RuntimeError):
+    """The EngineCore process failed before it was ready (e.g. the model could not load)."""
+
+
+class AdmissionError(RuntimeError):
+    """A request was refused before reaching the engine; retry later (HTTP 503)."""
+
+    http_status = 503
+    reason = "overloaded"
+
+
+class QueueOverflowError(AdmissionError):
+    """More than max_num_queued_reqs requests are already waiting."""
+
+    reason = "queue_full"
+
+
+class MaxQueuedTokensError(AdmissionError):
+    """More than max_num_queued_tokens prompt tokens are already waiting."""
+
+    reason = "queued_tokens"
