@@ -42,7 +42,9 @@ class EngineCore:
             return EngineCoreOutputs(timestamp=time.time())
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs.scheduler_stats = self.scheduler.make_stats()
+        return outputs
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

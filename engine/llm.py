@@ -1,4 +1,4 @@
-"""LLM: the offline API - batch generate and chat over an in-process EngineCore."""
+"""LLM: the offline API - batch generate and chat over an in-process EngineCore (InprocClient)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from engine.engine_args import create_engine_config
-from engine.engine_core import EngineCore
+from engine.core_client import InprocClient
+from engine.metrics.loggers import StatLoggerManager
 from engine.output_processor import OutputProcessor, ParentRequest
 from engine.outputs import RequestOutput
 from engine.processor import Processor, PromptType
@@ -22,10 +23,13 @@ class LLM:
     def __init__(self, model: str, **engine_args: Any) -> None:
         self.config = create_engine_config(model=model, **engine_args)
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer)
-        self.engine_core = EngineCore(self.config)
+        self.engine_client = InprocClient(self.config)
+        self.engine_core = self.engine_client.engine_core  # for tests and callers that inspect it
         self.processor = Processor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
+        self.stat_loggers = StatLoggerManager(self.config, model_name=model)
+        self.stat_loggers.log_engine_initialized()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -96,25 +100,27 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _add_request(self, prompt_text: str | None, request) -> None:
+        self._track_request_stats(request)
         params = request.sampling_params
         if params.n == 1:
             self.output_processor.add_request(request, prompt_text)
-            self.engine_core.add_request(request)
+            self.engine_client.add_request(request)
             return
         parent = ParentRequest(request.request_id, params)
         for index, child in enumerate(parent.make_child_requests(request)):
             self.output_processor.add_request(child, prompt_text, parent, index)
-            self.engine_core.add_request(child)
+            self.engine_client.add_request(child)
 
     def _run_engine(self, req_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(req_ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while self.output_processor.has_unfinished_requests():
-                engine_outputs = self.engine_core.step()
+                engine_outputs = self.engine_client.get_output()
                 processed = self.output_processor.process_outputs(engine_outputs.outputs)
+                self.stat_loggers.record_engine_outputs(engine_outputs, stopped_req_ids=processed.reqs_to_abort)
                 if processed.reqs_to_abort:
-                    self.engine_core.abort_requests(processed.reqs_to_abort)
+                    self.engine_client.abort_requests(processed.reqs_to_abort)
                 for out in processed.request_outputs:
                     if out.finished:
                         finished[out.request_id] = out
@@ -129,8 +135,25 @@ class LLM:
         return [finished[r] for r in req_ids]
 
     def abort(self, req_ids: list[str]) -> None:
+        self.stat_loggers.on_requests_aborted(req_ids)
         child_ids = self.output_processor.abort_requests(req_ids)
-        self.engine_core.abort_requests(list(child_ids) if child_ids else req_ids)
+        self.engine_client.abort_requests(list(child_ids) if child_ids else req_ids)
 
     def reset_prefix_cache(self) -> bool:
-        return self.engine_core.reset_prefix_cache()
+        return self.engine_client.call_utility("reset_prefix_cache")
+
+    # ---- metrics ----
+
+    def get_metrics_snapshot(self) -> dict[str, float]:
+        """Counters, gauges and histogram sums/counts as plain numbers, keyed by Prometheus sample name."""
+        return self.stat_loggers.get_metrics_snapshot()
+
+    def _track_request_stats(self, request) -> None:
+        """Registers the request's engine requests (its n children when n > 1) for latency stats."""
+        params = request.sampling_params
+        if params.n == 1:
+            engine_req_ids, parent_id = [request.request_id], None
+        else:
+            engine_req_ids, parent_id = ParentRequest(request.request_id, params).child_req_ids, request.request_id
+        for req_id in engine_req_ids:
+            self.stat_loggers.on_request_added(req_id, request.arrival_time, len(request.prompt_token_ids), parent_id)

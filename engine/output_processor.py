@@ -125,7 +125,7 @@ class RequestState:
         if out.new_logprobs is not None and self.logprobs is not None:
             rows = self._logprob_dicts(out.new_logprobs, self.params.logprobs)
             self.logprobs += rows
-            self.cumulative_logprob += sum(lps[0] for lps in out.new_logprobs.logprobs)
+            self.cumulative_logprob += sum(next(iter(row.values())).logprob for row in rows)  # chosen entry is first
         if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
             self.prompt_logprobs += self._logprob_dicts(out.new_prompt_logprobs, self.params.prompt_logprobs)
         if out.finished:
@@ -157,7 +157,9 @@ class RequestState:
         """Per position {token_id: Logprob}: the chosen token (its true rank) first, then the top num_top."""
         decode = self.token_text.get if self.token_text is not None else (lambda _: None)
         rows = []
-        for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
+        # One .tolist() per array and chunk: Python ints and floats from here on.
+        token_ids, logprobs, ranks = lists.token_ids.tolist(), lists.logprobs.tolist(), lists.ranks.tolist()
+        for ids, lps, rank in zip(token_ids, logprobs, ranks):
             row = {ids[0]: Logprob(lps[0], rank, decode(ids[0]))}
             # Columns 1..K hold the top-K in order, so column k has rank k. The engine may send
             # more columns than this request asked for (it samples a batch with one K).

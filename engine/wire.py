@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from engine.core.stats import SchedulerStats
 from engine.sampling_params import SamplingParams
@@ -37,29 +38,32 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     client_index: int = 0
 
 
-class LogprobsLists(msgspec.Struct, array_like=True):
+class LogprobsLists(msgspec.Struct, array_like=True, eq=False):
     """Logprobs of several positions: per position the chosen token first, then the top-k.
 
-    token_ids[i][0] is the sampled (or prompt) token, token_ids[i][1:] the top-k ids in
+    token_ids[i, 0] is the sampled (or prompt) token, token_ids[i, 1:] the top-k ids in
     descending order; logprobs matches token_ids; ranks[i] is the chosen token's rank
-    (1 = most likely) among the whole vocabulary.
+    (1 = most likely) among the whole vocabulary. Numpy arrays, so that they cross ZMQ as
+    zero-copy frames (engine/serial_utils.py); consumers call .tolist() once per chunk.
     """
 
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]
+    token_ids: np.ndarray  # [N, K+1] int64
+    logprobs: np.ndarray  # [N, K+1] float32
+    ranks: np.ndarray  # [N] int64
 
     def __len__(self) -> int:
         return len(self.ranks)
 
     @staticmethod
     def concat(parts: list["LogprobsLists"]) -> "LogprobsLists":
-        out = LogprobsLists([], [], [])
-        for p in parts:
-            out.token_ids += p.token_ids
-            out.logprobs += p.logprobs
-            out.ranks += p.ranks
-        return out
+        """Stacks the positions of parts that share one top-k width (one request's chunks do)."""
+        if not parts:
+            return LogprobsLists(np.zeros((0, 1), np.int64), np.zeros((0, 1), np.float32), np.zeros(0, np.int64))
+        return LogprobsLists(
+            np.concatenate([p.token_ids for p in parts]),
+            np.concatenate([p.logprobs for p in parts]),
+            np.concatenate([p.ranks for p in parts]),
+        )
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

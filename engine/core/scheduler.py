@@ -11,7 +11,7 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from engine.core.stats import SchedulerStats
+from engine.core.stats import SchedulerStats, StepWork
 from engine.sampling_params import RepetitionDetectionParams
 from engine.wire import EngineCoreOutput, EngineCoreOutputs
 from engine.worker.runner_output import ModelRunnerOutput
@@ -129,6 +129,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.num_preemptions_since_stats = 0
+        self.step_work_since_stats = StepWork()
 
     # ---- requests in and out ----
 
@@ -256,6 +257,7 @@ class Scheduler:
             preempted_req_ids=preempted_req_ids,
         )
         self.finished_req_ids = set()
+        self._count_step_work(output)
         return output
 
     def _preempt(self, request: Request) -> None:
@@ -346,9 +348,26 @@ class Scheduler:
             prefix_cache_hits=hits,
             num_preemptions=self.num_preemptions,
             step_num_preemptions=self.num_preemptions_since_stats,
+            step_work=self.step_work_since_stats,
         )
         self.num_preemptions_since_stats = 0
+        self.step_work_since_stats = StepWork()
         return stats
+
+    def _count_step_work(self, output: SchedulerOutput) -> None:
+        """Adds a scheduled step's rows to the StepWork that make_stats() reports next."""
+        if output.is_empty:
+            return
+        cached = output.scheduled_cached_reqs
+        # Where each row's tokens start (num_computed_tokens before this step advanced it).
+        starts = dict(zip(cached.req_ids, cached.num_computed_tokens))
+        starts.update((r.req_id, r.num_computed_tokens) for r in output.scheduled_new_reqs)
+        work = self.step_work_since_stats
+        work.num_steps += 1
+        for req_id, num_new in output.num_scheduled_tokens.items():
+            start = starts[req_id]
+            # A row samples when its step reaches the request's last token; a mid-prompt chunk does not.
+            work.add_row(start, num_new, samples=start + num_new >= self.requests[req_id].num_tokens)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

@@ -2,7 +2,46 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepWork:
+    """The work of the steps scheduled since the last stats: the inputs of the FLOPs/bytes estimate.
+
+    A row is one request in one step. Rows are split by size, not by phase: a row scheduled
+    with more than one token counts as prefill, a row with exactly one token as decode (a
+    one-token prompt chunk costs what a decode costs, so it is counted as one).
+    """
+
+    num_steps: int = 0  # non-empty steps scheduled
+    num_reqs: int = 0  # rows, summed over those steps
+    num_prefill_tokens: int = 0  # tokens of rows scheduled with more than one token
+    num_decode_tokens: int = 0  # rows scheduled with exactly one token (one token each)
+    num_sampling_reqs: int = 0  # rows whose step reaches their last token, so they sample
+    # Over scheduled tokens: the keys each token attends to (itself and every token before it).
+    attn_context_sum: int = 0
+    # Over rows: the keys in the row's KV after its step (computed + scheduled), i.e. what an
+    # attention kernel that reads each row's KV once reads.
+    kv_context_sum: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    def add_row(self, num_computed_tokens: int, num_new_tokens: int, samples: bool) -> None:
+        """Counts one row whose num_new_tokens start at position num_computed_tokens."""
+        c, n = num_computed_tokens, num_new_tokens
+        self.num_reqs += 1
+        if n > 1:
+            self.num_prefill_tokens += n
+        else:
+            self.num_decode_tokens += n
+        self.num_sampling_reqs += int(samples)
+        # Token i (0-based) sits at position c + i and attends to c + i + 1 keys:
+        # sum_{i<n} (c + i + 1) = n*c + n*(n+1)/2.
+        self.attn_context_sum += n * c + n * (n + 1) // 2
+        self.kv_context_sum += c + n
 
 
 @dataclass
@@ -14,3 +53,4 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # tokens found there since the last stats
     num_preemptions: int = 0  # cumulative since the scheduler started
     step_num_preemptions: int = 0  # since the last stats (one step when read every step)
+    step_work: StepWork = field(default_factory=StepWork)  # since the last stats, like the above

@@ -1,4 +1,4 @@
-"""Top-K logprobs of chosen tokens as tensors, and their conversion to wire lists."""
+"""Top-K logprobs of chosen tokens as tensors, and their conversion to wire arrays."""
 
 from __future__ import annotations
 
@@ -17,17 +17,14 @@ class LogprobsTensors:
     logprobs: torch.Tensor  # [N, K+1] float32
     ranks: torch.Tensor  # [N] int64; 1 + number of vocab entries strictly above the chosen token
 
-    def to_lists(self, num_logprobs_per_row: list[int] | None = None) -> LogprobsLists:
-        """Copies to host lists; row i keeps its chosen token plus its own first K_i top entries."""
-        token_ids = self.token_ids.tolist()
-        logprobs = self.logprobs.tolist()
-        ranks = self.ranks.tolist()
-        if num_logprobs_per_row is not None:
-            if len(num_logprobs_per_row) != len(ranks):
-                raise ValueError(f"num_logprobs_per_row has {len(num_logprobs_per_row)} entries for {len(ranks)} rows")
-            token_ids = [row[: k + 1] for row, k in zip(token_ids, num_logprobs_per_row)]
-            logprobs = [row[: k + 1] for row, k in zip(logprobs, num_logprobs_per_row)]
-        return LogprobsLists(token_ids=token_ids, logprobs=logprobs, ranks=ranks)
+    def to_lists(self, num_logprobs: int | None = None) -> LogprobsLists:
+        """Copies to host numpy arrays, keeping the chosen token plus the first num_logprobs top entries."""
+        width = None if num_logprobs is None else num_logprobs + 1
+        return LogprobsLists(
+            token_ids=self.token_ids[:, :width].cpu().numpy(),
+            logprobs=self.logprobs[:, :width].cpu().numpy(),
+            ranks=self.ranks.cpu().numpy(),
+        )
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:

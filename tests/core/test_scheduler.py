@@ -2,6 +2,7 @@
 
 from collections import defaultdict
 
+import numpy as np
 import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
@@ -323,7 +324,7 @@ def test_prompt_logprobs_are_emitted_mid_prompt():
     sched = make_scheduler(max_num_batched_tokens=8)
     sched.add_request(make_request("a", list(range(12)), prompt_logprobs=0, max_tokens=1))
     out = sched.schedule()
-    lp = LogprobsLists([[1]] * 8, [[-0.5]] * 8, [1] * 8)
+    lp = LogprobsLists(np.ones((8, 1), np.int64), np.full((8, 1), -0.5, np.float32), np.ones(8, np.int64))
     result = sched.update_from_output(out, ModelRunnerOutput(["a"], [[]], prompt_logprobs={"a": lp}))
     (o,) = result.outputs
     assert o.new_token_ids == [] and o.new_prompt_logprobs is lp and not o.finished

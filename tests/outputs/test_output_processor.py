@@ -1,5 +1,6 @@
 """OutputProcessor fed hand-made EngineCoreOutputs: logprobs, prompt logprobs, finish reasons, n > 1."""
 
+import numpy as np
 import pytest
 
 from engine.output_processor import OutputProcessor, ParentRequest
@@ -18,10 +19,11 @@ def add(proc, req_id="r", **params):
 
 def lp_rows(rows):
     """LogprobsLists from [(chosen_id, chosen_lp, rank, [(top_id, top_lp), ...]), ...]."""
+    # float64 keeps the hand-written values exact (the engine sends float32).
     return LogprobsLists(
-        token_ids=[[tid] + [t for t, _ in top] for tid, _, _, top in rows],
-        logprobs=[[lp] + [l for _, l in top] for _, lp, _, top in rows],
-        ranks=[rank for _, _, rank, _ in rows],
+        token_ids=np.array([[tid] + [t for t, _ in top] for tid, _, _, top in rows], dtype=np.int64),
+        logprobs=np.array([[lp] + [l for _, l in top] for _, lp, _, top in rows], dtype=np.float64),
+        ranks=np.array([rank for _, _, rank, _ in rows], dtype=np.int64),
     )
 
 

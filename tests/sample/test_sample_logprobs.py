@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.sample import LogprobsTensors, Sampler, gather_logprobs, make_generator
@@ -22,18 +23,20 @@ def test_gather_logprobs_ranks_and_top_k():
     assert zero.token_ids.tolist() == [[2], [3]] and zero.ranks.tolist() == [1, 1]
 
 
-def test_to_lists_trims_per_row():
+def test_to_lists_gives_host_arrays_trimmed_to_k():
     t = LogprobsTensors(
         token_ids=torch.tensor([[5, 1, 2, 3], [6, 4, 5, 6]]),
         logprobs=torch.tensor([[-1.0, -0.125, -0.25, -0.5], [-2.0, -0.5, -0.75, -2.0]]),
         ranks=torch.tensor([4, 3]),
     )
-    lists = t.to_lists([1, 3])
-    assert lists.token_ids == [[5, 1], [6, 4, 5, 6]]
-    assert lists.logprobs == [[-1.0, -0.125], [-2.0, -0.5, -0.75, -2.0]]
-    assert lists.ranks == [4, 3]
-    assert t.to_lists().token_ids == t.token_ids.tolist()
-    assert t.to_lists([0, 0]).token_ids == [[5], [6]]
+    lists = t.to_lists(1)
+    assert lists.token_ids.tolist() == [[5, 1], [6, 4]]
+    assert lists.logprobs.tolist() == [[-1.0, -0.125], [-2.0, -0.5]]
+    assert lists.ranks.tolist() == [4, 3] and len(lists) == 2
+    full = t.to_lists()
+    assert isinstance(full.token_ids, np.ndarray) and full.token_ids.dtype == np.int64
+    assert full.logprobs.dtype == np.float32 and full.token_ids.tolist() == t.token_ids.tolist()
+    assert t.to_lists(0).token_ids.tolist() == [[5], [6]]
 
 
 def _run_mode(make_md, logits, mode, k):

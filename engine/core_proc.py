@@ -1,0 +1,430 @@
+"""EngineCoreProc: the EngineCore in its own process - input threads, a small busy loop, an output thread.
+
+Sockets (one pair per frontend, i.e. per client index; the frontend binds, the engine connects):
+
+    frontend ROUTER (input address i)  <->  engine DEALER i   requests in; the handshake out
+    frontend PULL   (output address i) <--  engine PUSH i     EngineCoreOutputs out
+
+Frontend -> engine message: [request type (1 byte), *msgpack frames] (the ROUTER adds the
+engine's identity in front), with payloads ADD: EngineCoreRequest, ABORT: list of request ids,
+UTILITY: (client_index, call_id, method name, args). Engine -> frontend: frames of one
+EngineCoreOutputs (a utility's answer rides in its utility_output). At start-up the engine
+sends one EngineHandshake on every DEALER: READY, or FAILED with the traceback, then exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+
+from engine.config import EngineConfig
+from engine.serial_utils import MsgpackDecoder, MsgpackEncoder
+from engine.wire import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
+    UtilityOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+# Lets the engine flush its last outputs (or its FAILED handshake) when it closes sockets.
+_CLOSE_LINGER_MS = 1000
+_POLL_MS = 100  # how often input threads look at the stop flag
+_IDLE_WAIT_S = 1.0
+
+
+class EngineHandshake(msgspec.Struct, omit_defaults=True):
+    """Sent once on every DEALER at start-up."""
+
+    status: str  # "READY" or "FAILED"
+    engine_index: int = 0
+    num_blocks: int = 0
+    max_model_len: int = 0
+    error: str | None = None  # FAILED: the traceback text
+
+
+def engine_identity(engine_index: int) -> bytes:
+    """The DEALER identity by which a frontend's ROUTER addresses engine `engine_index`."""
+    return engine_index.to_bytes(2, "little")
+
+
+class EngineCoreProc:
+    """Runs in the child process: owns the EngineCore, its sockets and its IO threads.
+
+    Invariant: only the busy-loop thread touches the EngineCore; the input threads only decode
+    and queue, the output thread only encodes and sends, so the core needs no locks.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        input_addresses: list[str],
+        output_addresses: list[str],
+        engine_index: int = 0,
+    ) -> None:
+        if len(input_addresses) != len(output_addresses):
+            raise ValueError("one input and one output address per frontend")
+        self.engine_index = engine_index
+        self.ctx = zmq.Context()
+        # Sockets first, so that a failure to build the core can still be reported.
+        self.input_sockets = []
+        for address in input_addresses:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, engine_identity(engine_index))
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.connect(address)
+            self.input_sockets.append(sock)
+        self.output_sockets = []
+        for address in output_addresses:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)  # never block the output thread on a slow frontend
+            sock.connect(address)
+            self.output_sockets.append(sock)
+        try:
+            from engine.engine_core import EngineCore  # torch enters here
+
+            self.engine_core = EngineCore(config)
+        except BaseException:
+            self._handshake(EngineHandshake("FAILED", engine_index, error=traceback.format_exc()))
+            self._close_sockets()
+            raise
+
+        self.input_queue: queue.Queue = queue.Queue()  # (request type, client index, payload)
+        self.output_queue: queue.Queue = queue.Queue()  # (client index, EngineCoreOutputs) | None
+        self.req_clients: dict[str, int] = {}  # running request -> the client that sent it
+        self.running = True
+        self._stop_inputs = threading.Event()
+        self._handshake(
+            EngineHandshake(
+                "READY", engine_index, self.engine_core.num_blocks, self.engine_core.max_model_len
+            )
+        )
+        # The threads own their sockets from here on (ZMQ sockets are not thread-safe).
+        self.input_threads = [
+            threading.Thread(target=self._input_loop, args=(i, s), name=f"engine-input-{i}", daemon=True)
+            for i, s in enumerate(self.input_sockets)
+        ]
+        self.output_thread = threading.Thread(target=self._output_loop, name="engine-output", daemon=True)
+        for t in [*self.input_threads, self.output_thread]:
+            t.start()
+
+    # ---- the busy loop (main thread) ---------------------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        while self.running:
+            self._process_input_queue()
+            if self.running and self.engine_core.has_unfinished_requests():
+                self._step()
+
+    def _process_input_queue(self) -> None:
+        # Block only when idle; otherwise take what has arrived and go back to stepping.
+        if not self.engine_core.has_unfinished_requests():
+            try:
+                # A timeout, so that SIGTERM's handler runs soon even if a signal lands on
+                # another thread and leaves this one asleep.
+                self._handle(*self.input_queue.get(timeout=_IDLE_WAIT_S))
+            except queue.Empty:
+                return
+        while self.running:
+            try:
+                item = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(*item)
+
+    def _handle(self, request_type: bytes, client_index: int, payload: Any) -> None:
+        if request_type == EngineCoreRequestType.ADD.value:
+            self._add_request(client_index, payload)
+        elif request_type == EngineCoreRequestType.ABORT.value:
+            self._abort_requests(client_index, payload)
+        elif request_type == EngineCoreRequestType.UTILITY.value:
+            self._call_utility(client_index, *payload)
+        else:
+            logger.error("EngineCoreProc: unknown request type %r", request_type)
+
+    def _add_request(self, client_index: int, request: EngineCoreRequest) -> None:
+        request.client_index = client_index  # the socket it came on is authoritative
+        try:
+            self.engine_core.add_request(request)
+        except Exception as e:  # a bad request must not stop the engine: fail only that request
+            # The reason travels in stop_reason, so the frontend can show it.
+            logger.warning("EngineCoreProc: request %r refused: %s", request.request_id, e)
+            error = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=str(e))
+            self._send(client_index, EngineCoreOutputs(outputs=[error], timestamp=time.time()))
+            return
+        self.req_clients[request.request_id] = client_index
+
+    def _abort_requests(self, client_index: int, req_ids: list[str]) -> None:
+        own = [r for r in req_ids if self.req_clients.get(r) == client_index]  # never another client's
+        for req_id in own:
+            del self.req_clients[req_id]
+        aborted = self.engine_core.abort_requests(own)
+        if aborted:
+            # Fresh stats ride along: if the engine is now idle no step will report them.
+            stats = self.engine_core.scheduler.make_stats()
+            self._send(client_index, EngineCoreOutputs(outputs=aborted, timestamp=time.time(), scheduler_stats=stats))
+
+    def _call_utility(self, client_index: int, _sender_index: int, call_id: int, method: str, args: list) -> None:
+        try:
+            if method == "shutdown":
+                self.running = False
+                result = None
+            else:
+                fn = getattr(self.engine_core, method, None) if not method.startswith("_") else None
+                if not callable(fn):
+                    raise AttributeError(f"EngineCore has no method {method!r}")
+                result = fn(*args)
+            answer = UtilityOutput(call_id, result=result)
+        except Exception as e:
+            answer = UtilityOutput(call_id, failure_message=f"{type(e).__name__}: {e}")
+        self._send(client_index, EngineCoreOutputs(utility_output=answer, timestamp=time.time()))
+
+    def _step(self) -> None:
+        step = self.engine_core.step()
+        stats = step.scheduler_stats  # made once per step by EngineCore.step (it resets per-step counters)
+        by_client: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        for out in step.outputs:
+            client = self.req_clients.pop(out.request_id, 0) if out.finished else self.req_clients.get(out.request_id, 0)
+            by_client[client].append(out)
+        # Clients hear about steps that carry their outputs; when the engine falls idle every
+        # client gets one last (possibly empty) message, so its gauges come back to zero.
+        clients = range(len(self.output_sockets)) if not self.engine_core.has_unfinished_requests() else by_client
+        for client in clients:
+            self._send(
+                client,
+                EngineCoreOutputs(
+                    outputs=by_client.get(client, []),
+                    timestamp=step.timestamp,
+                    scheduler_stats=stats,
+                    engine_index=self.engine_index,
+                ),
+            )
+
+    def _send(self, client_index: int, outputs: EngineCoreOutputs) -> None:
+        outputs.engine_index = self.engine_index
+        self.output_queue.put((client_index, outputs))
+
+    # ---- IO threads --------------------------------------------------------------------------
+
+    def _input_loop(self, client_index: int, sock: zmq.Socket) -> None:
+        decoders = {
+            EngineCoreRequestType.ADD.value: MsgpackDecoder(EngineCoreRequest),
+            EngineCoreRequestType.ABORT.value: MsgpackDecoder(list[str]),
+            EngineCoreRequestType.UTILITY.value: MsgpackDecoder(tuple[int, int, str, list]),
+        }
+        try:
+            while not self._stop_inputs.is_set():
+                if not sock.poll(_POLL_MS):
+                    continue
+                type_frame, *frames = sock.recv_multipart(copy=False)
+                request_type = type_frame.bytes
+                try:
+                    payload = decoders[request_type].decode(frames)
+                except Exception as e:  # a malformed message is dropped, the engine keeps serving
+                    logger.error("EngineCoreProc: undecodable %r message from client %d: %s", request_type, client_index, e)
+                    continue
+                self.input_queue.put((request_type, client_index, payload))
+        finally:
+            sock.close(linger=0)
+
+    def _output_loop(self) -> None:
+        encoder = MsgpackEncoder()
+        while (item := self.output_queue.get()) is not None:
+            client_index, outputs = item
+            try:
+                encoder.send(self.output_sockets[client_index], outputs)
+            except Exception as e:
+                logger.error("EngineCoreProc: could not send outputs to client %d: %s", client_index, e)
+                if outputs.utility_output is not None:  # e.g. a result msgpack cannot encode
+                    failed = UtilityOutput(outputs.utility_output.call_id, failure_message=f"{type(e).__name__}: {e}")
+                    encoder.send(self.output_sockets[client_index], EngineCoreOutputs(utility_output=failed))
+        for sock in self.output_sockets:
+            sock.close(linger=_CLOSE_LINGER_MS)
+
+    # ---- start-up and shutdown ---------------------------------------------------------------
+
+    def _handshake(self, message: EngineHandshake) -> None:
+        payload = msgspec.msgpack.encode(message)
+        for sock in self.input_sockets:
+            sock.send(payload)
+
+    def _close_sockets(self) -> None:
+        for sock in [*self.input_sockets, *self.output_sockets]:
+            sock.close(linger=_CLOSE_LINGER_MS)
+        self.ctx.term()
+
+    def close(self) -> None:
+        """Stops the IO threads (flushing queued outputs) and the core; the process may then exit."""
+        self.running = False
+        self.output_queue.put(None)
+        self.output_thread.join(timeout=5)
+        self._stop_inputs.set()
+        for t in self.input_threads:
+            t.join(timeout=5)
+        self.engine_core.shutdown()
+        if not any(t.is_alive() for t in [*self.input_threads, self.output_thread]):
+            self.ctx.term()  # would wait forever on a socket a stuck thread still holds
+
+    @staticmethod
+    def run_engine_core(
+        config: EngineConfig, input_addresses: list[str], output_addresses: list[str], engine_index: int = 0
+    ) -> None:
+        """The child process's entry point: serve until SIGTERM or a "shutdown" utility call."""
+
+        def on_sigterm(signum, frame):
+            raise SystemExit(0)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        # Ctrl-C reaches the whole process group; the frontend decides what happens, then
+        # terminates us. (An engine dying first would turn its clean-up into EngineDeadError.)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _exit_with_parent()
+        proc = None
+        exit_code = 0
+        try:
+            proc = EngineCoreProc(config, input_addresses, output_addresses, engine_index)
+            proc.run_busy_loop()
+        except SystemExit:
+            pass
+        except BaseException:
+            logger.exception("EngineCoreProc %d failed", engine_index)
+            traceback.print_exc()
+            exit_code = 1
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut clean-up short
+            if proc is not None:
+                proc.close()
+        sys.exit(exit_code)
+
+
+def _exit_with_parent() -> None:
+    """Turns the parent's death (even by SIGKILL) into our SIGTERM, so no engine is orphaned."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="engine-parent-watch", daemon=True).start()
+
+
+class EngineCoreProcHandle:
+    """The frontend side of one engine process: its addresses, the process, and its death.
+
+    Holds `num_clients` address pairs (ipc:// paths in a private temp dir); client i binds pair
+    i, so several frontends may share one engine. `start()` is idempotent (every client calls
+    it after binding); the process stops when the last attached client detaches, on
+    `shutdown()`, or at interpreter exit (weakref.finalize), so no engine outlives its parent.
+    """
+
+    def __init__(self, config: EngineConfig, num_clients: int = 1, engine_index: int = 0) -> None:
+        if num_clients < 1:
+            raise ValueError(f"num_clients must be >= 1, got {num_clients}")
+        self.config = config
+        self.engine_index = engine_index
+        self.num_clients = num_clients
+        self._tmpdir = tempfile.mkdtemp(prefix="engine-core-")
+        self.input_addresses = [f"ipc://{self._tmpdir}/in-{i}" for i in range(num_clients)]
+        self.output_addresses = [f"ipc://{self._tmpdir}/out-{i}" for i in range(num_clients)]
+        self.proc: multiprocessing.process.BaseProcess | None = None
+        self._lock = threading.Lock()
+        self._clients: dict[int, Callable[[str], None]] = {}  # client index -> its on-death callback
+        self._dead_message: str | None = None
+        self._shutting_down = False
+        self._finalizer = weakref.finalize(self, _stop_process, None, self._tmpdir)
+
+    def start(self) -> None:
+        with self._lock:
+            if self.proc is not None:
+                return
+            ctx = multiprocessing.get_context("spawn")
+            # daemon: multiprocessing also terminates it at exit (a multi-process executor
+            # inside the engine would need daemon=False, since daemons may not have children).
+            self.proc = ctx.Process(
+                target=EngineCoreProc.run_engine_core,
+                args=(self.config, self.input_addresses, self.output_addresses, self.engine_index),
+                name=f"EngineCore_{self.engine_index}",
+                daemon=True,
+            )
+            self.proc.start()
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _stop_process, self.proc, self._tmpdir)
+            threading.Thread(target=self._monitor, args=(self.proc,), name="engine-monitor", daemon=True).start()
+
+    def attach(self, client_index: int, on_death: Callable[[str], None]) -> None:
+        if not 0 <= client_index < self.num_clients:
+            raise ValueError(f"client_index must be in [0, {self.num_clients}), got {client_index}")
+        with self._lock:
+            if client_index in self._clients:
+                raise ValueError(f"client_index {client_index} is already attached")
+            self._clients[client_index] = on_death
+            dead = self._dead_message
+        if dead is not None:
+            on_death(dead)
+
+    def detach(self, client_index: int) -> None:
+        with self._lock:
+            self._clients.pop(client_index, None)
+            last = not self._clients
+        if last:
+            self.shutdown()
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        return None if self.proc is None else self.proc.exitcode
+
+    def shutdown(self) -> None:
+        """SIGTERM, then SIGKILL after a grace period; removes the ipc files. Idempotent."""
+        self._shutting_down = True
+        self._finalizer()
+
+    def _monitor(self, proc) -> None:
+        multiprocessing.connection.wait([proc.sentinel])
+        proc.join()
+        why = "was shut down" if self._shutting_down else f"died (exit code {proc.exitcode})"
+        message = f"the engine process {proc.name} {why}"
+        if not self._shutting_down:
+            logger.error(message)
+        with self._lock:
+            self._dead_message = message
+            callbacks = list(self._clients.values())
+        for callback in callbacks:
+            try:
+                callback(message)
+            except Exception:  # e.g. its event loop is closed
+                logger.debug("engine death callback failed", exc_info=True)
+
+
+def _stop_process(proc, tmpdir: str, grace_s: float = 5.0) -> None:
+    if proc is not None and proc.is_alive():
+        proc.terminate()
+        proc.join(grace_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    shutil.rmtree(tmpdir, ignore_errors=True)

@@ -1,0 +1,152 @@
+"""Frontend-side request timing: per-request state and the IterationStats of each engine step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.wire import EngineCoreOutputs
+
+
+@dataclass
+class RequestStateStats:
+    """What the frontend remembers about one engine request's timing while it runs.
+
+    Times ending in `_time` are wall-clock seconds (time.time()). `first_token_time` and
+    `last_token_time` are engine timestamps (end of the step that produced the token);
+    `last_seen_time` is when the frontend received the last token (what a user sees).
+    The engine core does not report when it queued or scheduled a request, so the queue
+    entry is the arrival and `scheduled_time` is estimated as the start of the step that
+    produced the first token (see IterationStatsRecorder).
+    """
+
+    arrival_time: float
+    num_prompt_tokens: int
+    parent_req_id: str | None = None  # the user request an n > 1 child belongs to
+    scheduled_time: float = 0.0
+    first_token_time: float = 0.0
+    last_token_time: float = 0.0
+    last_seen_time: float = 0.0
+    num_generation_tokens: int = 0
+
+
+@dataclass
+class FinishedRequestStats:
+    """Latencies of one finished engine request, in seconds."""
+
+    req_id: str
+    finish_reason: str  # "stop", "length", "abort", "error", "repetition"
+    e2e_latency: float  # arrival -> the frontend saw it finish
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    queue_time: float  # arrival -> (estimated) start of its first-token step
+    prefill_time: float  # that start -> first token (engine clock)
+    decode_time: float  # first token -> last token (engine clock)
+
+    @property
+    def inference_time(self) -> float:
+        return self.prefill_time + self.decode_time
+
+    @property
+    def mean_time_per_output_token(self) -> float:
+        return self.decode_time / (self.num_generation_tokens - 1) if self.num_generation_tokens > 1 else 0.0
+
+
+@dataclass
+class IterationStats:
+    """What one engine step meant to the frontend: token counts and the latencies it completed."""
+
+    iteration_timestamp: float
+    num_prompt_tokens: int = 0  # prompts of requests whose first token came in this step
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+
+
+class IterationStatsRecorder:
+    """Turns a frontend's view of requests and engine outputs into IterationStats, one per step.
+
+    A frontend calls on_request_added() for each engine request (each child of an n > 1
+    request), on_engine_outputs() for each EngineCoreOutputs it processes, and
+    on_requests_aborted() when it drops requests itself.
+
+    Queue time is an estimate: the engine reports no per-request scheduling time, so a
+    request counts as scheduled when the step that produced its first token started, taken
+    as the previous EngineCoreOutputs' timestamp from the same engine (steps run back to
+    back), and never before its arrival. With chunked prefill, the earlier chunks' steps
+    count as queue time rather than prefill time.
+    """
+
+    def __init__(self) -> None:
+        self.requests: dict[str, RequestStateStats] = {}
+        self._last_step_end: dict[int, float] = {}  # engine_index -> timestamp of its last outputs
+
+    def on_request_added(
+        self, req_id: str, arrival_time: float, num_prompt_tokens: int, parent_req_id: str | None = None
+    ) -> None:
+        self.requests[req_id] = RequestStateStats(arrival_time, num_prompt_tokens, parent_req_id)
+
+    def on_requests_aborted(self, req_ids: Iterable[str]) -> None:
+        """Forgets requests (a parent id forgets its children) without reporting them."""
+        ids = set(req_ids)
+        for req_id in [r for r, s in self.requests.items() if r in ids or s.parent_req_id in ids]:
+            del self.requests[req_id]
+
+    def on_engine_outputs(
+        self, outputs: EngineCoreOutputs, now: float | None = None, stopped_req_ids: Iterable[str] = ()
+    ) -> IterationStats:
+        """Folds one step's outputs in; `stopped_req_ids` are requests the frontend finished
+        itself in this step (a stop string), which the engine only learns of by an abort."""
+        now = time.time() if now is None else now
+        engine_time = outputs.timestamp or now
+        step_start = self._last_step_end.get(outputs.engine_index, 0.0)
+        self._last_step_end[outputs.engine_index] = engine_time
+        stats = IterationStats(iteration_timestamp=now)
+
+        for out in outputs.outputs:
+            state = self.requests.get(out.request_id)
+            if state is None:
+                continue  # not tracked, or already finished by the frontend
+            num_new = len(out.new_token_ids)
+            if num_new:
+                if state.num_generation_tokens == 0:
+                    state.scheduled_time = max(state.arrival_time, step_start)
+                    state.first_token_time = engine_time
+                    stats.time_to_first_tokens.append(now - state.arrival_time)
+                    stats.num_prompt_tokens += state.num_prompt_tokens
+                else:
+                    stats.inter_token_latencies.append(now - state.last_seen_time)
+                state.num_generation_tokens += num_new
+                state.last_token_time = engine_time
+                state.last_seen_time = now
+                stats.num_generation_tokens += num_new
+            if out.finish_reason is not None:
+                self._finish(out.request_id, str(out.finish_reason), now, stats)
+        for req_id in stopped_req_ids:
+            if req_id in self.requests:
+                self._finish(req_id, "stop", now, stats)
+        return stats
+
+    def _finish(self, req_id: str, finish_reason: str, now: float, stats: IterationStats) -> None:
+        state = self.requests.pop(req_id)
+        e2e = now - state.arrival_time
+        if state.num_generation_tokens == 0:  # finished (aborted, failed) before any token
+            queue_time, prefill_time, decode_time = e2e, 0.0, 0.0
+        else:
+            queue_time = state.scheduled_time - state.arrival_time
+            prefill_time = state.first_token_time - state.scheduled_time
+            decode_time = state.last_token_time - state.first_token_time
+        stats.finished_requests.append(
+            FinishedRequestStats(
+                req_id=req_id,
+                finish_reason=finish_reason,
+                e2e_latency=e2e,
+                num_prompt_tokens=state.num_prompt_tokens,
+                num_generation_tokens=state.num_generation_tokens,
+                queue_time=queue_time,
+                prefill_time=prefill_time,
+                decode_time=decode_time,
+            )
+        )

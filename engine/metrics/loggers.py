@@ -1,0 +1,210 @@
+"""Stat loggers: the periodic log line, plugin loading, and the manager that fans each step out to them."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import time
+from collections.abc import Iterable, Sequence
+
+from prometheus_client import CollectorRegistry
+
+from engine.config import EngineConfig
+from engine.core.stats import SchedulerStats
+from engine.metrics.base import StatLoggerBase, StatLoggerFactory
+from engine.metrics.flops import estimator_for
+from engine.metrics.iteration_stats import IterationStats, IterationStatsRecorder
+from engine.metrics.prometheus import PrometheusStatLogger
+from engine.wire import EngineCoreOutputs
+
+logger = logging.getLogger(__name__)
+
+STAT_LOGGER_ENTRY_POINT_GROUP = "rollout_toolkit.stat_loggers"
+
+__all__ = [
+    "STAT_LOGGER_ENTRY_POINT_GROUP",
+    "LoggingStatLogger",
+    "PrometheusStatLogger",
+    "StatLoggerBase",
+    "StatLoggerFactory",
+    "StatLoggerManager",
+    "load_stat_logger_plugins",
+]
+
+
+class LoggingStatLogger(StatLoggerBase):
+    """One INFO line per engine at most every log_stats_interval seconds; rates cover the time since the last line."""
+
+    def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
+        self.engine_index = engine_index
+        self.interval = config.observability.log_stats_interval
+        self.estimator = estimator_for(config)
+        self.last_log_time = time.monotonic()
+        # Latest gauges.
+        self.num_running_reqs = 0
+        self.num_waiting_reqs = 0
+        self.kv_cache_usage = 0.0
+        self._reset_interval()
+
+    def _reset_interval(self) -> None:
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.flops = 0.0
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        engine_index: int = 0,
+    ) -> None:
+        if scheduler_stats is not None:
+            s = scheduler_stats
+            self.num_running_reqs = s.num_running_reqs
+            self.num_waiting_reqs = s.num_waiting_reqs
+            self.kv_cache_usage = s.kv_cache_usage
+            self.prefix_cache_queries += s.prefix_cache_queries
+            self.prefix_cache_hits += s.prefix_cache_hits
+            if self.estimator is not None:
+                self.flops += self.estimator.estimate(s.step_work).flops
+        if iteration_stats is not None:
+            self.num_prompt_tokens += iteration_stats.num_prompt_tokens
+            self.num_generation_tokens += iteration_stats.num_generation_tokens
+
+    def log(self) -> None:
+        now = time.monotonic()
+        elapsed = now - self.last_log_time
+        if elapsed < self.interval:
+            return
+        hit_rate = self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        logger.info(
+            "Engine %03d: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, "
+            "Estimated: %.3f TFLOP/s",
+            self.engine_index,
+            self.num_prompt_tokens / elapsed,
+            self.num_generation_tokens / elapsed,
+            self.num_running_reqs,
+            self.num_waiting_reqs,
+            100 * self.kv_cache_usage,
+            100 * hit_rate,
+            self.flops / elapsed / 1e12,
+        )
+        self.last_log_time = now
+        self._reset_interval()
+
+    def log_engine_initialized(self) -> None:
+        logger.info("Engine %03d: stats every %.1f s", self.engine_index, self.interval)
+
+
+def load_stat_logger_plugins(names: Sequence[str]) -> list[StatLoggerFactory]:
+    """The factories registered under `names` in the entry-point group, in order of `names`."""
+    if not names:
+        return []
+    available = {ep.name: ep for ep in importlib.metadata.entry_points(group=STAT_LOGGER_ENTRY_POINT_GROUP)}
+    for name in names:
+        if name not in available:
+            raise ValueError(
+                f"stat_loggers: no stat logger plugin named {name!r} in entry-point group "
+                f"{STAT_LOGGER_ENTRY_POINT_GROUP!r} (installed: {sorted(available)})"
+            )
+    return [available[name].load() for name in names]
+
+
+class StatLoggerManager:
+    """Fans each step's stats out to every logger: per engine the log line and any plugins or
+    custom loggers, plus one PrometheusStatLogger for all engines.
+
+    A frontend either records stats it built itself (record()), or lets the manager's
+    IterationStatsRecorder build them: on_request_added() per engine request,
+    record_engine_outputs() per EngineCoreOutputs, on_requests_aborted() when it drops requests.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_name: str,
+        engine_indexes: Sequence[int] = (0,),
+        custom_loggers: Sequence[StatLoggerFactory] | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.engine_indexes = list(engine_indexes)
+        factories: list[StatLoggerFactory] = []
+        if not config.observability.disable_log_stats:
+            factories.append(LoggingStatLogger)
+        factories += load_stat_logger_plugins(config.observability.stat_loggers)
+        factories += list(custom_loggers or [])
+        self.per_engine_loggers: dict[int, list[StatLoggerBase]] = {
+            i: [_build(factory, config, i) for factory in factories] for i in self.engine_indexes
+        }
+        self.prometheus_logger = PrometheusStatLogger(config, model_name, self.engine_indexes, registry)
+        self.iteration_stats = IterationStatsRecorder()
+
+    def _loggers(self, engine_index: int) -> list[StatLoggerBase]:
+        if engine_index not in self.per_engine_loggers:
+            raise ValueError(f"engine_index: {engine_index} is not one of {self.engine_indexes}")
+        return [*self.per_engine_loggers[engine_index], self.prometheus_logger]
+
+    def _all_loggers(self) -> list[StatLoggerBase]:
+        return [lg for loggers in self.per_engine_loggers.values() for lg in loggers] + [self.prometheus_logger]
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        engine_index: int = 0,
+    ) -> None:
+        for stat_logger in self._loggers(engine_index):
+            stat_logger.record(scheduler_stats, iteration_stats, engine_index)
+
+    def record_admission_rejection(self, reason: str, engine_index: int = 0) -> None:
+        for stat_logger in self._loggers(engine_index):
+            stat_logger.record_admission_rejection(reason, engine_index)
+
+    def log(self) -> None:
+        for stat_logger in self._all_loggers():
+            stat_logger.log()
+
+    def log_engine_initialized(self) -> None:
+        for stat_logger in self._all_loggers():
+            stat_logger.log_engine_initialized()
+
+    # ---- the frontend's side: requests in, engine outputs in ----
+
+    def on_request_added(
+        self, req_id: str, arrival_time: float, num_prompt_tokens: int, parent_req_id: str | None = None
+    ) -> None:
+        self.iteration_stats.on_request_added(req_id, arrival_time, num_prompt_tokens, parent_req_id)
+
+    def on_requests_aborted(self, req_ids: Iterable[str]) -> None:
+        self.iteration_stats.on_requests_aborted(req_ids)
+
+    def record_engine_outputs(
+        self, outputs: EngineCoreOutputs, now: float | None = None, stopped_req_ids: Iterable[str] = ()
+    ) -> IterationStats:
+        """Records one step (its scheduler stats and the IterationStats it makes), then log()s.
+
+        `stopped_req_ids`: requests the frontend finished itself in this step (stop strings).
+        """
+        iteration_stats = self.iteration_stats.on_engine_outputs(outputs, now, stopped_req_ids)
+        self.record(outputs.scheduler_stats, iteration_stats, outputs.engine_index)
+        self.log()
+        return iteration_stats
+
+    # ---- reading ----
+
+    def prometheus_text(self) -> bytes:
+        """All metrics in the Prometheus text format (the body of GET /metrics)."""
+        return self.prometheus_logger.prometheus_text()
+
+    def get_metrics_snapshot(self) -> dict[str, float]:
+        """Counters, gauges and histogram sums/counts as plain numbers (see PrometheusStatLogger.snapshot)."""
+        return self.prometheus_logger.snapshot()
+
+
+def _build(factory: StatLoggerFactory, config: EngineConfig, engine_index: int) -> StatLoggerBase:
+    stat_logger = factory(config, engine_index)
+    if not isinstance(stat_logger, StatLoggerBase):
+        raise TypeError(f"stat logger factory {factory!r} returned {type(stat_logger).__name__}, not a StatLoggerBase")
+    return stat_logger

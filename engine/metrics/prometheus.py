@@ -1,0 +1,163 @@
+"""PrometheusStatLogger: the engine's metric families (prefix `rollout:`) in a prometheus_client registry."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from engine.config import EngineConfig
+from engine.core.stats import SchedulerStats
+from engine.metrics.base import StatLoggerBase
+from engine.metrics.flops import estimator_for
+from engine.metrics.iteration_stats import IterationStats
+from engine.wire import FinishReason
+
+PREFIX = "rollout:"
+LABELS = ["model_name", "engine"]
+
+# Seconds. TTFT spans a cached short prompt to a long queue; ITL is one decode step.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
+ITL_BUCKETS = [0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+               0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0]  # fmt: skip
+REQUEST_BUCKETS = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 3840.0, 7680.0]  # fmt: skip
+
+# Gauges that are fractions: a snapshot over several engines averages them instead of adding.
+_MEAN_OVER_ENGINES = {PREFIX + "kv_cache_usage_perc"}
+
+
+class PrometheusStatLogger(StatLoggerBase):
+    """All engines of one frontend in one registry, told apart by the `engine` label.
+
+    Each logger owns a fresh CollectorRegistry unless given one, so several engines or
+    LLMs in one process (tests) never collide; a server that wants the process-wide
+    `prometheus_client.REGISTRY` passes it, and then only one logger may use it.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_name: str,
+        engine_indexes: Sequence[int] = (0,),
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry() if registry is None else registry
+        self.estimator = estimator_for(config)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, LABELS, registry=self.registry)
+
+        def counter(name: str, doc: str, extra_labels: Sequence[str] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, LABELS + list(extra_labels), registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=self.registry)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests running in the engine.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting in the engine.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got their first token.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.request_success = counter("request_success", "Finished requests by finish reason.", ["finished_reason"])
+        self.admission_rejections = counter("admission_rejections", "Requests refused by admission control.", ["reason"])
+        self.estimated_flops = counter("estimated_flops_per_gpu", "Estimated FLOPs per GPU (analytic).")
+        self.estimated_read_bytes = counter("estimated_read_bytes_per_gpu", "Estimated bytes read per GPU (analytic).")
+        self.estimated_write_bytes = counter("estimated_write_bytes_per_gpu", "Estimated bytes written per GPU (analytic).")
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Between two outputs of a request.", ITL_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
+        self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled (estimated).", REQUEST_BUCKETS)
+        self.request_prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.", REQUEST_BUCKETS)
+        self.request_decode_time = histogram("request_decode_time_seconds", "First token to last token.", REQUEST_BUCKETS)
+
+        # Create every engine's series up front, so /metrics lists them before the first request.
+        for engine_index in engine_indexes:
+            labels = (model_name, str(engine_index))
+            for metric in self._engine_metrics():
+                metric.labels(*labels)
+            for reason in FinishReason:
+                self.request_success.labels(*labels, str(reason))
+
+    def _engine_metrics(self) -> list:
+        """The metrics labelled by model_name and engine only."""
+        return [
+            self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
+            self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions,
+            self.prompt_tokens, self.generation_tokens, self.estimated_flops,
+            self.estimated_read_bytes, self.estimated_write_bytes, self.time_to_first_token,
+            self.inter_token_latency, self.e2e_request_latency, self.request_queue_time,
+            self.request_prefill_time, self.request_decode_time,
+        ]  # fmt: skip
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        engine_index: int = 0,
+    ) -> None:
+        labels = (self.model_name, str(engine_index))
+        if scheduler_stats is not None:
+            s = scheduler_stats
+            self.num_requests_running.labels(*labels).set(s.num_running_reqs)
+            self.num_requests_waiting.labels(*labels).set(s.num_waiting_reqs)
+            self.kv_cache_usage_perc.labels(*labels).set(s.kv_cache_usage)
+            self.prefix_cache_queries.labels(*labels).inc(s.prefix_cache_queries)
+            self.prefix_cache_hits.labels(*labels).inc(s.prefix_cache_hits)
+            self.num_preemptions.labels(*labels).inc(s.step_num_preemptions)
+            if self.estimator is not None:
+                cost = self.estimator.estimate(s.step_work)
+                self.estimated_flops.labels(*labels).inc(cost.flops)
+                self.estimated_read_bytes.labels(*labels).inc(cost.read_bytes)
+                self.estimated_write_bytes.labels(*labels).inc(cost.write_bytes)
+        if iteration_stats is not None:
+            it = iteration_stats
+            self.prompt_tokens.labels(*labels).inc(it.num_prompt_tokens)
+            self.generation_tokens.labels(*labels).inc(it.num_generation_tokens)
+            ttft = self.time_to_first_token.labels(*labels)
+            for t in it.time_to_first_tokens:
+                ttft.observe(t)
+            itl = self.inter_token_latency.labels(*labels)
+            for t in it.inter_token_latencies:
+                itl.observe(t)
+            for req in it.finished_requests:
+                self.request_success.labels(*labels, req.finish_reason).inc()
+                self.e2e_request_latency.labels(*labels).observe(req.e2e_latency)
+                self.request_queue_time.labels(*labels).observe(req.queue_time)
+                self.request_prefill_time.labels(*labels).observe(req.prefill_time)
+                self.request_decode_time.labels(*labels).observe(req.decode_time)
+
+    def record_admission_rejection(self, reason: str, engine_index: int = 0) -> None:
+        self.admission_rejections.labels(self.model_name, str(engine_index), reason).inc()
+
+    def prometheus_text(self) -> bytes:
+        """The registry in the Prometheus text format (the body of GET /metrics)."""
+        return generate_latest(self.registry)
+
+    def snapshot(self) -> dict[str, float]:
+        """Every sample as a plain number, keyed by its Prometheus sample name.
+
+        Labels other than model_name and engine stay in the key
+        (`rollout:request_success_total{finished_reason="length"}`); engines are added up,
+        except fraction gauges, which are averaged. Histograms give `_sum` and `_count`.
+        """
+        values: dict[str, list[float]] = {}
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name.endswith(("_created", "_bucket")):
+                    continue
+                extra = sorted((k, v) for k, v in sample.labels.items() if k not in LABELS)
+                key = sample.name + ("{" + ",".join(f'{k}="{v}"' for k, v in extra) + "}" if extra else "")
+                values.setdefault(key, []).append(sample.value)
+        return {k: sum(v) / len(v) if k in _MEAN_OVER_ENGINES else sum(v) for k, v in values.items()}

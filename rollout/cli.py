@@ -1,0 +1,171 @@
+"""The `rollout` command: `rollout launch --model DIR|tiny-name` serves a model over HTTP until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from typing import Any, Sequence
+
+from engine.config import ENGINE_CONFIG_SECTIONS
+from rollout.cli_args import add_dataclass_arguments, dataclass_kwargs
+from rollout.server.config import ServerConfig
+
+logger = logging.getLogger("rollout.cli")
+
+
+def _check_unique_flags() -> None:
+    import dataclasses
+
+    from engine.engine_args import engine_arg_names
+
+    clash = set(engine_arg_names()) & {f.name for f in dataclasses.fields(ServerConfig)}
+    assert not clash, f"engine and server config share field names: {sorted(clash)}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`rollout` and its subcommands; launch's flags come from the config dataclasses."""
+    from engine.tiny_models import BUILTIN_TINY_MODELS
+
+    _check_unique_flags()
+    parser = argparse.ArgumentParser(prog="rollout", description="RL rollout toolkit: serve and drive an inference engine.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    launch = commands.add_parser(
+        "launch",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Starts the engine in its own process and an OpenAI-compatible HTTP server in front of it. "
+        "Prints `rollout: serving MODEL at URL` once it accepts connections; SIGINT/SIGTERM stop both.",
+    )
+    tiny = ", ".join(sorted(BUILTIN_TINY_MODELS))
+    for section, cls in ENGINE_CONFIG_SECTIONS.items():
+        add_dataclass_arguments(
+            launch,
+            cls,
+            f"engine: {section}",
+            required=("model",) if section == "model" else (),
+            extra_help={"model": f"Or the name of a built-in tiny model ({tiny}), built offline on first use."},
+        )
+    add_dataclass_arguments(launch, ServerConfig, "server")
+    launch.set_defaults(func=launch_command)
+    return parser
+
+
+def resolve_model(model: str) -> str:
+    """A checkpoint directory for --model: built-in tiny names are built (once) into the user cache."""
+    from engine.tiny_models import BUILTIN_TINY_MODELS, builtin_model_dir
+
+    if model in BUILTIN_TINY_MODELS and not os.path.isdir(model):
+        return builtin_model_dir(model)
+    return model
+
+
+def launch_command(args: argparse.Namespace) -> int:
+    engine_kwargs: dict[str, Any] = {}
+    for cls in ENGINE_CONFIG_SECTIONS.values():
+        engine_kwargs.update(dataclass_kwargs(args, cls))
+    try:
+        server_config = ServerConfig(**dataclass_kwargs(args, ServerConfig))
+        served_name = server_config.served_model_name or engine_kwargs["model"]
+        engine_kwargs["model"] = resolve_model(engine_kwargs["model"])
+        # Validate the whole config here, so bad flags fail before any process starts.
+        from engine.engine_args import create_engine_config
+
+        create_engine_config(**engine_kwargs)
+    except (TypeError, ValueError) as e:
+        print(f"rollout launch: error: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(engine_kwargs, server_config, served_name))
+
+
+class _Server:
+    """uvicorn's Server with our own signal handling: uvicorn re-raises the signal after its
+    shutdown, which would kill this process before the engine process is stopped."""
+
+    def __init__(self, app, server_config: ServerConfig) -> None:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                yield  # signals are installed by _serve on the event loop
+
+        config = uvicorn.Config(
+            app,
+            host=server_config.host,
+            port=server_config.port,
+            log_level=server_config.uvicorn_log_level,
+            timeout_keep_alive=server_config.timeout_keep_alive,
+            # A backstop only: _serve stops the engine after shutdown_grace_s, which ends every request.
+            timeout_graceful_shutdown=server_config.shutdown_grace_s + 3,
+            lifespan="off",
+        )
+        self.server = Server(config)
+
+    def request_exit(self) -> None:
+        # A second signal means "now": stop waiting for open connections.
+        if self.server.should_exit:
+            self.server.force_exit = True
+        self.server.should_exit = True
+
+    def bound_address(self) -> tuple[str, int]:
+        sock = self.server.servers[0].sockets[0]
+        host, port = sock.getsockname()[:2]
+        return host, port
+
+
+async def _serve(engine_kwargs: dict[str, Any], server_config: ServerConfig, served_name: str) -> int:
+    from engine.async_llm import AsyncLLM
+    from rollout.server.app import build_app
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    engine = AsyncLLM.from_engine_args(multiprocess=True, model_name=served_name, **engine_kwargs)
+    try:
+        if stop.is_set():
+            return 0
+        server = _Server(build_app(engine, server_config, model_name=served_name), server_config)
+        serve_task = asyncio.create_task(server.server.serve())
+        announce_task = asyncio.create_task(_announce_when_started(server, served_name))
+        stop_task = asyncio.create_task(stop.wait())
+        await asyncio.wait([serve_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
+        server.request_exit()
+        # A second signal while draining forces the exit.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, server.request_exit)
+        done, _ = await asyncio.wait([serve_task], timeout=server_config.shutdown_grace_s)
+        if not done:
+            # Grace is over: stopping the engine ends each in-flight request with an error
+            # response (503, or in-band for streams), so uvicorn's connections close by themselves.
+            engine.shutdown()
+        await serve_task
+        announce_task.cancel()
+        stop_task.cancel()
+        return 0 if server.server.started else 1
+    finally:
+        engine.shutdown()
+        print("rollout: stopped", file=sys.stderr, flush=True)
+
+
+async def _announce_when_started(server: _Server, served_name: str) -> None:
+    while not server.server.started:
+        await asyncio.sleep(0.05)
+    host, port = server.bound_address()
+    shown = f"[{host}]" if ":" in host else host
+    print(f"rollout: serving {served_name} at http://{shown}:{port}", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

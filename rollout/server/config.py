@@ -1,0 +1,46 @@
+"""ServerConfig: how the HTTP server listens and whom it answers (one documented field each)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+
+
+@dataclass
+class ServerConfig:
+    """HTTP server settings."""
+
+    host: str = "127.0.0.1"
+    """Address to bind; loopback unless you mean to expose the server (e.g. 0.0.0.0)."""
+    port: int = 8000
+    """TCP port to listen on (0: pick a free one)."""
+    api_key: str | None = None
+    """When set, every route except /health and /metrics needs `Authorization: Bearer <key>`."""
+    served_model_name: str | None = None
+    """Model name clients must send in `model`; defaults to the --model argument as given."""
+    uvicorn_log_level: UvicornLogLevel = "warning"
+    """Log level of uvicorn (access logs appear at info)."""
+    timeout_keep_alive: int = 5
+    """Seconds an idle keep-alive connection stays open."""
+    shutdown_grace_s: float = 5.0
+    """Seconds in-flight requests get to finish after SIGINT/SIGTERM; then the engine stops and they end with an error."""
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it unset to turn auth off)")
+        if self.served_model_name is not None and not self.served_model_name:
+            raise ValueError("served_model_name must not be empty")
+        if self.uvicorn_log_level not in get_args(UvicornLogLevel):
+            raise ValueError(
+                f"uvicorn_log_level must be one of {get_args(UvicornLogLevel)}, got {self.uvicorn_log_level!r}"
+            )
+        if self.timeout_keep_alive < 1:
+            raise ValueError(f"timeout_keep_alive must be >= 1, got {self.timeout_keep_alive}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")

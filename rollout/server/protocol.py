@@ -1,0 +1,385 @@
+"""OpenAI-compatible request and response bodies (plus vLLM's extra sampling fields) as pydantic models."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.sampling_params import (
+    RepetitionDetectionParams,
+    RequestOutputKind,
+    SamplingParams,
+)
+
+# Most top logprobs one position may ask for (vLLM's default max_logprobs): each costs a
+# sort over the vocabulary and bytes on the wire.
+MAX_LOGPROBS = 20
+
+
+class RequestModel(BaseModel):
+    """Base of request bodies: unknown fields are a 400 naming the field, and no silent coercion
+    ("5" is not an int, 1 is not a bool)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+class ErrorInfo(ResponseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(ResponseModel):
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+    """Send one last chunk with token usage (and empty choices) before [DONE]."""
+
+
+class RepetitionDetection(RequestModel):
+    max_pattern_size: int
+    min_count: int
+    min_pattern_size: int = 1
+
+
+class SamplingRequest(RequestModel):
+    """Fields shared by /v1/completions and /v1/chat/completions: OpenAI's, then vLLM's extras."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields (same names and meanings).
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    repetition_detection: RepetitionDetection | None = None
+    priority: int = 0
+    return_token_ids: bool = False
+    """Add prompt_token_ids and each choice's token_ids to the response (token in, token out)."""
+
+    def _check_common(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.prompt_logprobs > MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be at most {MAX_LOGPROBS}, got {self.prompt_logprobs}")
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """SamplingParams from the shared fields; SamplingParams raises ValueError naming a bad field."""
+        self._check_common()
+        if logprobs is not None and logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}")
+        return SamplingParams(
+            n=self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            bad_words=self.bad_words,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            logit_bias=_logit_bias(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids,
+            repetition_detection=(
+                RepetitionDetectionParams(**self.repetition_detection.model_dump())
+                if self.repetition_detection is not None
+                else None
+            ),
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+        )
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    # JSON object keys are strings; OpenAI's are token ids written as strings.
+    if bias is None:
+        return None
+    try:
+        return {int(k): float(v) for k, v in bias.items()}
+    except ValueError:
+        raise ValueError("logit_bias: keys must be token ids") from None
+
+
+# A completion prompt: text, token ids, or a batch of either.
+CompletionPrompt = str | list[int] | list[str] | list[list[int]]
+
+
+class CompletionRequest(SamplingRequest):
+    """Body of POST /v1/completions."""
+
+    prompt: CompletionPrompt
+    max_tokens: int | None = 16  # OpenAI's default for legacy completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | dict[str, Any]]:
+        """The batch of prompts, each as AsyncLLM.generate takes it."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt: must not be empty")
+        if isinstance(p[0], int):
+            return [{"prompt_token_ids": list(p)}]
+        if isinstance(p[0], str):
+            return list(p)
+        return [{"prompt_token_ids": list(ids)} for ids in p]
+
+    def to_sampling_params(self, max_model_len: int, prompt_len: int | None = None) -> SamplingParams:
+        if self.echo:
+            raise ValueError("echo: not supported; the response holds the completion only")
+        if self.suffix is not None:
+            raise ValueError("suffix: not supported")
+        return self._sampling_params(_max_tokens(self.max_tokens, max_model_len, prompt_len), self.logprobs)
+
+
+class TextContentPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """Body of POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    # vLLM's chat extras.
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def conversation(self) -> list[dict[str, str]]:
+        """Messages as the chat template takes them (content parts joined into text)."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def to_sampling_params(self, max_model_len: int, prompt_len: int | None = None) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._sampling_params(_max_tokens(max_tokens, max_model_len, prompt_len), logprobs)
+
+
+def _max_tokens(requested: int | None, max_model_len: int, prompt_len: int | None) -> int | None:
+    """An unset max_tokens means "up to the context length"; None lets the engine cap it."""
+    if requested is not None or prompt_len is None:
+        return requested
+    return max(1, max_model_len - prompt_len)
+
+
+class TokenizeRequest(RequestModel):
+    """Body of POST /tokenize: text (`prompt`) or a conversation (`messages`)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(RequestModel):
+    """Body of POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+class UsageInfo(ResponseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(ResponseModel):
+    """OpenAI's legacy completions logprobs: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(ResponseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt position None (the first) or {token id (as text): logprob}.
+PromptLogprobsJSON = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # return_token_ids (vLLM's shape: per choice, since a batch has several prompts).
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobsJSON | None = None
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatTopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(ResponseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(ResponseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobsJSON | None = None
+
+
+class DeltaMessage(ResponseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(ResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(ResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "rollout-toolkit"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(ResponseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str

@@ -1,0 +1,97 @@
+"""Admission control (503 for the excess of a burst), engine death (503) and shutdown by signal, on real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MAX_QUEUED = 2
+
+
+async def _burst(url: str, num_requests: int, max_tokens: int) -> list[httpx.Response]:
+    body = {"prompt": "Tell me a story", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0}
+    limits = httpx.Limits(max_connections=num_requests)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(num_requests)))
+
+
+@pytest.fixture(scope="module")
+def admission_server(launch_server):
+    return launch_server("tiny-llama", "--max-num-queued-reqs", str(MAX_QUEUED), "--max-num-seqs", "1")
+
+
+def test_admission_burst_gets_503_for_the_excess_only(admission_server):
+    server = admission_server
+    max_tokens = 24
+    responses = asyncio.run(_burst(server.url, 10 * MAX_QUEUED, max_tokens))
+    statuses = [r.status_code for r in responses]
+    assert set(statuses) <= {200, 503}, statuses
+    refused = [r for r in responses if r.status_code == 503]
+    admitted = [r for r in responses if r.status_code == 200]
+    assert refused, "a burst of 10x the queue limit should overflow it"
+    # The first MAX_QUEUED requests always fit (the queue starts empty).
+    assert len(admitted) >= MAX_QUEUED, statuses
+    for r in admitted:  # every admitted request completes in full
+        (choice,) = r.json()["choices"]
+        assert choice["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == max_tokens
+    for r in refused:
+        error = r.json()["error"]
+        assert error["type"] == "service_unavailable" and error["code"] == 503 and error["message"]
+    # Still serving, and the refusals are counted.
+    after = httpx.post(server.url + "/v1/completions", json={"prompt": "again", "max_tokens": 2}, timeout=60)
+    assert after.status_code == 200
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "admission_rejections" in metrics
+
+
+def test_sigint_stops_server_and_engine_with_a_stream_in_flight(admission_server):
+    server = admission_server
+    assert server.child_pids, "the engine should run in a child process"
+    assert httpx.get(server.url + "/health").status_code == 200
+    ended = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": "Hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+                for _ in r.iter_lines():
+                    pass
+        except httpx.HTTPError:
+            pass  # a cut connection is an acceptable end too; hanging is not
+        ended.set()
+
+    thread = threading.Thread(target=stream, daemon=True)
+    thread.start()
+    time.sleep(0.5)
+    assert server.stop(signal.SIGINT) == 0  # stop() asserts that no child survives
+    assert ended.wait(30), "the in-flight stream did not end after shutdown"
+
+
+def test_dead_engine_gives_503(launch_server):
+    server = launch_server("tiny-llama")
+    server_proc = psutil.Process(server.proc.pid)
+    engine_pids = [c.pid for c in server_proc.children() if c.pid in server.child_pids]
+    assert engine_pids
+    for pid in engine_pids:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    status = None
+    while time.monotonic() < deadline:
+        status = httpx.get(server.url + "/health", timeout=10).status_code
+        if status == 503:
+            break
+        time.sleep(0.2)
+    assert status == 503, f"/health still {status} after the engine died"
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    # The server itself stays up to say so, and still shuts down cleanly.
+    assert server.stop(signal.SIGTERM) == 0
