@@ -166,12 +166,14 @@ class ModelRunner:
 
     def _split_logprobs(self, batch: InputBatch, lp: LogprobsTensors) -> list[LogprobsLists | None]:
         rows: list[LogprobsLists | None] = [None] * batch.num_reqs
-        token_ids, logprobs, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+        # Per-row views of the step's host arrays: the sampler builds fresh tensors every step,
+        # so no later step writes into memory these views share.
+        token_ids, logprobs, ranks = lp.token_ids.cpu().numpy(), lp.logprobs.cpu().numpy(), lp.ranks.cpu().numpy()
         for i, row in enumerate(batch.sample_rows.tolist()):
             sp = self.state.sampling_params[int(batch.slots[row])]
             if sp.logprobs is not None:
                 k = sp.logprobs + 1
-                rows[row] = LogprobsLists([token_ids[i][:k]], [logprobs[i][:k]], [ranks[i]])
+                rows[row] = LogprobsLists(token_ids[i : i + 1, :k], logprobs[i : i + 1, :k], ranks[i : i + 1])
         return rows
 
     # ---- prompt logprobs ------------------------------------------------------------------
