@@ -126,7 +126,8 @@ async def run_http(args, base_url: str, work) -> dict:
 def start_server(args, path: str, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rollout.cli", "launch", "--model", path, "--port", str(port),
            "--max-num-seqs", str(args.max_num_seqs), "--device", args.device,
-           "--max-model-len", str(args.input_len[1] + args.output_len[1]), "--disable-log-stats"]
+           "--max-model-len", str(args.input_len[1] + args.output_len[1]), "--disable-log-stats",
+           "--served-model-name", "bench"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 180
     for line in proc.stdout:

@@ -76,21 +76,55 @@ def test_sigint_stops_server_and_engine_with_a_stream_in_flight(admission_server
     assert ended.wait(30), "the in-flight stream did not end after shutdown"
 
 
-def test_dead_engine_gives_503(launch_server):
-    server = launch_server("tiny-llama")
+def _num_running(url: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        if family.name == "rollout:num_requests_running":
+            return sum(sample.value for sample in family.samples)
+    return 0.0
+
+
+def test_dead_engine_gives_503_and_fails_in_flight_requests(launch_server):
+    # A long context so the in-flight requests are still generating when the engine dies.
+    server = launch_server("tiny-llama", "--max-model-len", "2048")
     server_proc = psutil.Process(server.proc.pid)
     engine_pids = [c.pid for c in server_proc.children() if c.pid in server.child_pids]
     assert engine_pids
+
+    body = {"prompt": "Tell me a story", "max_tokens": 2000, "ignore_eos": True, "temperature": 0.0}
+    results: dict[int, tuple[int, float]] = {}
+
+    def in_flight(i: int) -> None:
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        results[i] = (r.status_code, time.monotonic())
+
+    threads = [threading.Thread(target=in_flight, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while _num_running(server.url) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _num_running(server.url) == 3, "the requests should be running before the kill"
+
+    killed_at = time.monotonic()
     for pid in engine_pids:
         os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
+    for t in threads:
+        t.join(timeout=30)
+    # Every in-flight request ends with an error (503) within 5 s of the engine's death.
+    assert sorted(results) == [0, 1, 2]
+    for status, ended_at in results.values():
+        assert status == 503
+        assert ended_at - killed_at < 5.0, f"an in-flight request hung {ended_at - killed_at:.1f} s"
+
     status = None
-    while time.monotonic() < deadline:
-        status = httpx.get(server.url + "/health", timeout=10).status_code
+    while time.monotonic() - killed_at < 5.0:
+        status = httpx.get(server.url + "/health", timeout=5).status_code
         if status == 503:
             break
-        time.sleep(0.2)
-    assert status == 503, f"/health still {status} after the engine died"
+        time.sleep(0.1)
+    assert status == 503, f"/health still {status} 5 s after the engine died"
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
     # The server itself stays up to say so, and still shuts down cleanly.
