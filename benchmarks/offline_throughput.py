@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import random
+import sys
 import time
 
 import torch
@@ -19,6 +20,13 @@ import torch
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="tiny-llama", help="checkpoint directory or built-in tiny model name")
+    p.add_argument("--shape", default=None, help="GPU: random-weight model of a published shape "
+                   "(qwen3-0.6b, qwen2.5-7b), built under /tmp; overrides --model")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--hf-num-requests", type=int, default=None,
+                   help="run HF generate() on only the first N requests (it is slow on long outputs)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     # Defaults: the nano-vllm workload's shape (uniform prompt and output lengths, more
     # requests than one batch holds), scaled down for a 2-core CPU and the tiny model.
     p.add_argument("--num-requests", type=int, default=256)
@@ -55,15 +63,18 @@ def make_workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
 def run_engine(args, path: str, work) -> dict:
     from engine import LLM, SamplingParams
 
+    extra = {}
+    if torch.cuda.is_available() and args.device != "cpu":
+        extra = dict(gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
     llm = LLM(path, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.input_len[1] + args.output_len[1])
+              max_model_len=args.input_len[1] + args.output_len[1], **extra)
     warm = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 4
     llm.generate([{"prompt_token_ids": p} for p, _ in work[:4]], warm, use_tqdm=False)
     llm.reset_prefix_cache()  # the warm-up prompts must not give the timed run cache hits
 
     prompts = [{"prompt_token_ids": p} for p, _ in work]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
+    params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True) for _, n in work]
     _sync(llm.config.device.resolve())
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -71,8 +82,20 @@ def run_engine(args, path: str, work) -> dict:
     elapsed = time.perf_counter() - start
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_out == sum(n for _, n in work), "every request runs to max_tokens"
-    return {"elapsed_s": elapsed, "output_tokens": num_out, "output_tok_per_s": num_out / elapsed,
-            "device": llm.config.device.resolve(), "dtype": str(llm.engine_core.executor.worker.dtype)}
+    worker = llm.engine_core.executor.worker
+    graphs = worker.model_runner.cuda_graphs
+    result = {"elapsed_s": elapsed, "output_tokens": num_out, "output_tok_per_s": num_out / elapsed,
+              "device": llm.config.device.resolve(), "dtype": str(worker.dtype),
+              "num_kv_blocks": llm.engine_core.num_blocks,
+              "cuda_graph_replays": graphs.num_replays if graphs is not None else 0}
+    llm.engine_core.shutdown()
+    del llm, worker, graphs
+    if torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+    return result
 
 
 def run_hf(args, path: str, work, device: str, dtype: torch.dtype) -> dict:
@@ -89,10 +112,12 @@ def run_hf(args, path: str, work, device: str, dtype: torch.dtype) -> dict:
         for i, (p, _) in enumerate(batch):  # left padding, as HF decoder-only generation wants
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
+        sample = dict(do_sample=True, temperature=args.temperature, top_k=0) if args.temperature else dict(do_sample=False)
         with torch.no_grad():
-            model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False, pad_token_id=0,
-                           max_new_tokens=max(n for _, n in batch))
+            model.generate(ids.to(device), attention_mask=mask.to(device), pad_token_id=0,
+                           max_new_tokens=max(n for _, n in batch), **sample)
 
+    work = work[: args.hf_num_requests or len(work)]
     generate(work[:2])  # warm-up
     _sync(device)
     start = time.perf_counter()
@@ -103,7 +128,7 @@ def run_hf(args, path: str, work, device: str, dtype: torch.dtype) -> dict:
     # Only the tokens each request asked for count; padding to the batch's longest is HF's cost.
     num_out = sum(n for _, n in work)
     return {"elapsed_s": elapsed, "output_tokens": num_out, "output_tok_per_s": num_out / elapsed,
-            "batch_size": batch_size}
+            "batch_size": batch_size, "num_requests": len(work)}
 
 
 def _sync(device: str) -> None:
@@ -113,7 +138,14 @@ def _sync(device: str) -> None:
 
 def main() -> None:
     args = parse_args()
-    path = resolve_model(args.model)
+    if args.shape:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from gpu_common import shape_checkpoint
+
+        args.model = args.shape
+        path = shape_checkpoint(args.shape)
+    else:
+        path = resolve_model(args.model)
     with open(os.path.join(path, "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
     work = make_workload(args, vocab_size)
@@ -125,6 +157,8 @@ def main() -> None:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "max_num_seqs": args.max_num_seqs,
+        "temperature": args.temperature,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "machine": platform.node(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),

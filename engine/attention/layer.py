@@ -16,12 +16,16 @@ from engine.forward_context import get_forward_context
 # signatures of engine.attention.torch_ref. A GPU Triton module registers here.
 ATTENTION_BACKENDS = {
     "torch_ref": "engine.attention.torch_ref",
+    # Triton kernels for CUDA tensors; falls back to torch_ref for CPU tensors.
+    "triton": "engine.kernels.attention",
 }
 
 
 def _default_backend_name() -> str:
     """The one place the attention implementation is chosen (GPU kernels plug in here)."""
-    return "torch_ref"
+    from engine.kernels import triton_enabled
+
+    return "triton" if triton_enabled() else "torch_ref"
 
 
 _backend: ModuleType = importlib.import_module(ATTENTION_BACKENDS[_default_backend_name()])

@@ -9,6 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.activation import silu_and_mul
+from engine.kernels.norm import rms_norm
+from engine.kernels.rotary import rotary_embedding
+
 # ---------------------------------------------------------------------------------------
 # Weight loading: every parameter carries `weight_loader(param, loaded_weight[, shard_id])`,
 # so checkpoint loading and weight sync land tensors the same way (and tensor parallelism
@@ -164,26 +168,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = _new_param(hidden_size, fill=1.0)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Returns norm(x), or (norm(x + residual), x + residual) when residual is given."""
-        if residual is None:
-            return self._norm(x)
-        x = x + residual  # in the input dtype, as HF's decoder layer adds
-        return self._norm(x), x
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up for x = [gate | up] along the last dim."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2*I] -> [T, I]
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)
 
 
 # ---------------------------------------------------------------------------------------
@@ -238,23 +232,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)  # [max_position, D/2]
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        x = x.view(num_tokens, -1, self.head_size)  # [T, H, D]
-        x1, x2 = x.chunk(2, dim=-1)
-        # Same arithmetic as HF: x * cat(cos, cos) + rotate_half(x) * cat(sin, sin).
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.view(num_tokens, -1)
-
     def forward(
         self,
         positions: torch.Tensor,  # [T] int64
         q: torch.Tensor,  # [T, Hq * D]
         k: torch.Tensor,  # [T, Hkv * D]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache[positions].to(q.dtype)[:, None, :]  # [T, 1, D/2]
-        sin = self.sin_cache[positions].to(q.dtype)[:, None, :]
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache, self.head_size)
 
 
 def get_rope(head_size: int, hf_config) -> RotaryEmbedding:

@@ -1,0 +1,153 @@
+"""Shared pieces of the GPU benchmarks: model shapes with random weights, measured copy bandwidth, step timing."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+# Published shapes, random weights (never downloaded). Keys are the --shape choices.
+SHAPES: dict[str, tuple[str, dict]] = {
+    "qwen3-0.6b": ("qwen3", dict(
+        hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960,
+        rope_theta=1000000.0, rms_norm_eps=1e-6)),
+    "qwen2.5-7b": ("qwen2", dict(
+        hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=32768,
+        rope_theta=1000000.0, rms_norm_eps=1e-6)),
+}
+
+
+def shape_checkpoint(shape: str, root: str = "/tmp/rollout-bench") -> str:
+    """Builds (once) a bf16 checkpoint of `shape` with random weights under `root` and returns its path.
+
+    The 0.6B shape goes through make_tiny_checkpoint; the 7B shape writes its random tensors
+    from the GPU directly (a float32 CPU init of 7B parameters would take minutes).
+    """
+    from engine.tiny_models import make_tiny_checkpoint
+
+    arch, overrides = SHAPES[shape]
+    path = Path(root) / shape
+    if (path / "model.safetensors").exists():
+        return str(path)
+    if shape == "qwen3-0.6b":
+        return make_tiny_checkpoint(path, arch, dtype="bfloat16", **overrides)
+    # Tokenizer and config files from a tiny checkpoint, then the full config and random weights.
+    make_tiny_checkpoint(path, arch, dtype="bfloat16", **{**overrides, "num_hidden_layers": 1, "hidden_size": 64,
+                                                           "intermediate_size": 64, "num_attention_heads": 4,
+                                                           "num_key_value_heads": 2, "vocab_size": 1024})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("layer_types", None)  # per-layer list sized for the 1-layer skeleton; rebuilt from num_hidden_layers
+    cfg.update(overrides)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    _write_random_weights(path, cfg)
+    return str(path)
+
+
+@torch.no_grad()
+def _write_random_weights(path: Path, cfg: dict) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    state = {}
+    for name, p in model.state_dict().items():
+        if cfg.get("tie_word_embeddings") and name == "lm_head.weight":
+            continue
+        t = torch.empty(p.shape, dtype=torch.bfloat16, device="cuda")
+        if "norm" in name and p.dim() == 1:
+            t.normal_(1.0, 0.1, generator=gen)
+        elif name.endswith("bias"):
+            t.normal_(0.0, 0.1, generator=gen)
+        elif "embed_tokens" in name:
+            t.normal_(0.0, 1.0, generator=gen)
+        else:
+            scale = 2.0 if name.startswith("lm_head") else 1.0
+            t.normal_(0.0, scale / math.sqrt(p.shape[-1]), generator=gen)
+        state[name] = t.cpu()
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def copy_bandwidth_bytes_per_s(num_bytes: int = 2 << 30) -> float:
+    """Device copy bandwidth, counting bytes read plus written (median of 20 copies)."""
+    src = torch.randn(num_bytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 5:
+            times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * num_bytes / times[len(times) // 2]
+
+
+class StepTimer:
+    """Records (num_reqs, num_tokens, runner seconds, engine-step seconds) of every EngineCore step.
+
+    Wraps the LLM's EngineCore.step and its executor's execute_model; the runner's time ends
+    with its one host sync per step, so it covers the GPU work of the step.
+    """
+
+    def __init__(self, llm) -> None:
+        self.records: list[tuple[int, int, float, float]] = []
+        core = llm.engine_core
+        execute, step = core.executor.execute_model, core.step
+        pending: dict = {}
+
+        def timed_execute(sched):
+            start = time.perf_counter()
+            out = execute(sched)
+            pending.update(n=len(sched.num_scheduled_tokens), t=sched.total_num_scheduled_tokens,
+                           r=time.perf_counter() - start)
+            return out
+
+        def timed_step():
+            pending.clear()
+            start = time.perf_counter()
+            out = step()
+            elapsed = time.perf_counter() - start
+            if pending:
+                self.records.append((pending["n"], pending["t"], pending["r"], elapsed))
+            return out
+
+        core.executor.execute_model = timed_execute
+        core.step = timed_step
+
+    def decode_steps(self, num_reqs: int) -> list[tuple[float, float]]:
+        """(runner s, step s) of the steps where exactly num_reqs rows each decoded one token."""
+        return [(r, s) for n, t, r, s in self.records if n == num_reqs and t == num_reqs]
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def write_json(path: str, result: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {path}")

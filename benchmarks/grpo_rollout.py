@@ -1,0 +1,70 @@
+"""GRPO-shaped rollout: P prompts x n samples each, long shared prompts, prefix-cache hit rate and throughput.
+
+GPU (or CPU with small sizes). The n samples of a prompt share its blocks: every sample but
+the first can reuse floor((prompt_len - 1) / block_size) full blocks (the last prompt token
+is always computed). Hit rate = prefix-cache hit tokens / those shareable tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_common import shape_checkpoint, write_json  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--n", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--json-out", default="benchmarks/out/grpo_rollout.json")
+    args = p.parse_args()
+
+    from engine import LLM, SamplingParams
+
+    path = shape_checkpoint(args.shape)
+    llm = LLM(path, max_num_seqs=args.max_num_seqs, max_model_len=args.prompt_len + args.max_tokens)
+    vocab = llm.engine_core.executor.worker.hf_config.vocab_size
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(args.prompt_len)]}
+               for _ in range(args.num_prompts)]
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, n=2), use_tqdm=False)  # warm-up
+    llm.reset_prefix_cache()
+    kv = llm.engine_core.scheduler.kv_cache_manager
+    hits0 = kv.total_prefix_cache_hits
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, n=args.n, ignore_eos=True)
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    block_size = llm.config.cache.block_size
+    shareable = args.num_prompts * (args.n - 1) * ((args.prompt_len - 1) // block_size) * block_size
+    hits = kv.total_prefix_cache_hits - hits0
+    stats = llm.engine_core.scheduler.make_stats()
+    result = dict(benchmark="grpo_rollout", shape=args.shape, num_prompts=args.num_prompts, n=args.n,
+                  prompt_len=args.prompt_len, max_tokens=args.max_tokens, temperature=args.temperature,
+                  gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                  elapsed_s=elapsed, output_tokens=num_out, output_tok_per_s=num_out / elapsed,
+                  prefix_hit_tokens=hits, shareable_prompt_tokens=shareable, hit_rate_of_shareable=hits / shareable,
+                  num_preemptions=getattr(stats, "num_preemptions", None), num_kv_blocks=llm.engine_core.num_blocks)
+    print(f"\nGRPO rollout: {args.num_prompts} prompts x n={args.n}, prompt {args.prompt_len}, "
+          f"max_tokens {args.max_tokens}, {args.shape}")
+    print(f"{'output tokens':>14}{'time (s)':>10}{'tok/s':>10}{'hit tokens':>12}{'shareable':>11}{'hit rate':>10}")
+    print(f"{num_out:>14}{elapsed:>10.2f}{num_out / elapsed:>10.0f}{hits:>12}{shareable:>11}{hits / shareable:>10.1%}")
+    write_json(args.json_out, result)
+
+
+if __name__ == "__main__":
+    main()
