@@ -3,24 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, get_args
 
 from transformers import AutoTokenizer
 
+from engine import exceptions as engine_exceptions
 from engine.config import EngineConfig
-from engine.core_client import EngineCoreClient
+from engine.control import PauseMode
+from engine.core_client import EngineCoreClient, EngineUtilityError, check_fault_tolerance_instruction
 from engine.engine_args import create_engine_config
-from engine.exceptions import EngineDeadError, MaxQueuedTokensError, QueueOverflowError
+from engine.exceptions import EngineDeadError, EngineNotReadyError, MaxQueuedTokensError, QueueOverflowError
 from engine.metrics.loggers import StatLoggerManager
 from engine.output_processor import OutputProcessor, ParentRequest
 from engine.outputs import RequestOutput
 from engine.processor import Processor, PromptType
 from engine.sampling_params import SamplingParams
-from engine.wire import EngineCoreRequest
+from engine.wire import EngineCoreOutput, EngineCoreRequest, EngineStatus, FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,7 @@ class AsyncLLM:
         self._queued: dict[str, int] = {}
         self._output_task: asyncio.Task | None = None
         self._dead: BaseException | None = None
+        self.engine_status = EngineStatus.HEALTHY  # the last status the engine pushed (fault tolerance)
         self._ids = itertools.count()
 
     @classmethod
@@ -88,6 +92,8 @@ class AsyncLLM:
                 item = queue.get_nowait() if not queue.empty() else await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.finished:
+                    self._raise_if_refused(item)
                 finished = item.finished
                 yield item
                 if finished:
@@ -152,9 +158,11 @@ class AsyncLLM:
         try:
             while True:
                 engine_outputs = await self.engine_core.get_output_async()
+                if engine_outputs.engine_status is not None:
+                    self.engine_status = engine_outputs.engine_status
                 for out in engine_outputs.outputs:
                     self._queued.pop(out.request_id, None)
-                processed = self.output_processor.process_outputs(engine_outputs.outputs)
+                processed = self.output_processor.process_outputs(engine_outputs.outputs, engine_outputs.weight_version)
                 for request_output in processed.request_outputs:
                     stream = self._streams.get(request_output.request_id)
                     if stream is not None:
@@ -196,6 +204,148 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.call_utility_async("reset_prefix_cache")
 
+    # ---- RL controls: pause/resume, sleep/wake_up, weights ------------------------------------
+    # Thin wrappers over EngineCore utilities. A remote ValueError (bad mode, level, tag, weight
+    # name...) comes back as ValueError, so the HTTP server answers 400; the engine validates
+    # before it changes anything.
+
+    async def _control(self, method: str, *args: Any) -> Any:
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+        try:
+            return await self.engine_core.call_utility_async(method, *args)
+        except EngineUtilityError as e:
+            raise self._local_error(str(e)) from None
+
+    @staticmethod
+    def _local_error(remote: str) -> Exception:
+        """The local form of a remote "ExcType: message" failure: ValueError (and subclasses)
+        and EngineNotReadyError keep their meaning; anything else stays an EngineUtilityError."""
+        name, _, message = remote.partition(": ")
+        if name == EngineNotReadyError.__name__:
+            return EngineNotReadyError(message)
+        cls = getattr(builtins, name, None) or getattr(engine_exceptions, name, None)
+        if isinstance(cls, type) and issubclass(cls, ValueError):
+            return ValueError(message)
+        return EngineUtilityError(remote)
+
+    # What EngineCore raises on a refused add_request while paused/asleep; the engine process
+    # sends it back as an ERROR output with the message in stop_reason.
+    _NOT_READY_MESSAGES = {"the engine is paused": "paused", "the engine is asleep": "sleeping"}
+
+    @classmethod
+    def _raise_if_refused(cls, output: RequestOutput) -> None:
+        """Raises EngineNotReadyError for a request the engine refused (paused or asleep) before
+        generating anything, as the in-process engine does; other outputs pass."""
+        completions = output.outputs
+        if not completions or any(c.finish_reason != "error" or c.token_ids for c in completions):
+            return
+        message = completions[0].stop_reason
+        if not isinstance(message, str):
+            return
+        message = message.removeprefix(f"{EngineNotReadyError.__name__}: ")
+        for prefix, reason in cls._NOT_READY_MESSAGES.items():
+            if message.startswith(prefix):
+                raise EngineNotReadyError(message, reason=reason)
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Stops generation: "abort" ends in-flight requests (finish_reason "abort"), "wait" lets
+        them finish and returns once they have, "keep" freezes them until resume().
+
+        In abort and wait mode new requests are refused with EngineNotReadyError (HTTP 503)
+        until resume(); in keep mode they queue. A bad mode is a ValueError and changes nothing.
+        """
+        modes = get_args(PauseMode)
+        if mode not in modes:
+            raise ValueError(f"mode: unknown pause mode {mode!r}; expected one of {', '.join(modes)}")
+        await self._control("pause", mode)
+        if mode == "abort":
+            # The engine has dropped them; end their streams here (a no-op for any whose abort
+            # output already arrived).
+            await self.abort_requests(list(self._streams))
+        elif mode == "wait":
+            while await self._control("has_unfinished_requests"):
+                await asyncio.sleep(0.02)
+
+    async def resume(self) -> None:
+        await self._control("resume")
+
+    async def is_paused(self) -> bool:
+        return bool(await self._control("is_paused"))
+
+    async def sleep(self, level: int = 1) -> None:
+        """Level 0 stops scheduling; 1 also frees the KV cache and offloads the weights to host
+        memory; 2 discards the weights (re-loaded on wake-up). Level >= 1 aborts in-flight requests;
+        new ones are refused with EngineNotReadyError until wake_up()."""
+        await self._control("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restores what sleep() freed (only `tags`, e.g. ["weights"], when given)."""
+        await self._control("wake_up", list(tags) if tags is not None else None)
+
+    async def is_sleeping(self) -> bool:
+        return bool(await self._control("is_sleeping"))
+
+    async def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Aborts requests by user id; their streams end with finish_reason "abort".
+
+        Returns the ids that were running (unknown or finished ids are ignored).
+        """
+        parents = self.output_processor.parent_requests
+        states = self.output_processor.request_states
+        found, engine_ids = [], []
+        for req_id in dict.fromkeys(request_ids):
+            children = parents[req_id].child_req_ids if req_id in parents else [req_id]
+            running = [c for c in children if c in states]
+            if running:
+                found.append(req_id)
+                engine_ids += running
+        if not engine_ids:
+            return []
+        # Exactly what the engine sends for an abort, so each stream ends as its kind expects.
+        aborted = [EngineCoreOutput(engine_id, [], finish_reason=FinishReason.ABORT) for engine_id in engine_ids]
+        processed = self.output_processor.process_outputs(aborted)
+        for request_output in processed.request_outputs:
+            stream = self._streams.get(request_output.request_id)
+            if stream is not None:
+                stream.put_nowait(request_output)
+        for engine_id in engine_ids:
+            self._queued.pop(engine_id, None)
+        self.stat_loggers.on_requests_aborted(engine_ids)
+        if self._dead is None:
+            await self.engine_core.abort_requests_async(engine_ids)
+        return found
+
+    async def init_weight_transfer_engine(self, init_info: dict) -> None:
+        await self._control("init_weight_transfer_engine", init_info)
+
+    async def start_weight_update(self) -> None:
+        await self._control("start_weight_update")
+
+    async def update_weights(self, update_info: dict) -> None:
+        await self._control("update_weights", update_info)
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        await self._control("finish_weight_update", weight_version)
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self._control("shutdown_weight_transfer_engine")
+
+    async def update_weight_version(self, new_version: str) -> None:
+        await self._control("update_weight_version", new_version)
+
+    async def get_weight_version(self) -> str | None:
+        return await self._control("get_weight_version")
+
+    async def weight_info(self) -> dict:
+        return await self._control("weight_info")
+
+    async def weight_checker(self, baseline: dict | None = None) -> dict:
+        return await self._control("weight_checker", baseline)
+
+    async def get_world_size(self) -> int:
+        return 1  # one engine process, one device (no tensor parallelism yet)
+
     def shutdown(self) -> None:
         """Stops the engine; callers still waiting for output get EngineDeadError at once."""
         if self._dead is None:
@@ -204,3 +354,28 @@ class AsyncLLM:
             self._output_task.cancel()
         self.engine_core.shutdown()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- fault tolerance ---------------------------------------------------------------------
+
+    async def fault_tolerance_status(self) -> dict:
+        """{"status": "healthy" | "unhealthy" | "dead", "enabled": enable_fault_tolerance}.
+
+        Unhealthy: a step failed, its requests ended with finish reason "error", new ones are
+        refused the same way until `retry` (or the engine exits after engine_recovery_timeout_sec).
+        """
+        enabled = self.config.fault_tolerance.enable_fault_tolerance
+        if self.is_dead:
+            return {"status": str(EngineStatus.DEAD), "enabled": enabled}
+        status = await self.engine_core.fault_tolerance_status_async()
+        return {"status": status, "enabled": enabled}
+
+    async def apply_fault_tolerance_instruction(self, instruction: str) -> None:
+        """Applies "retry": an unhealthy engine resets and serves again when this returns.
+
+        Unknown instructions raise ValueError; a dead engine raises EngineDeadError.
+        """
+        if self._dead is not None:
+            check_fault_tolerance_instruction(instruction)
+            raise EngineDeadError(str(self._dead))
+        status = await self.engine_core.apply_fault_tolerance_instruction_async(instruction)
+        self.engine_status = EngineStatus[status.upper()]

@@ -28,6 +28,8 @@ class ModelConfig:
     """Seed of the engine's random generator (used by requests without their own seed)."""
     logprobs_mode: LogprobsMode = "raw_logprobs"
     """What returned logprobs mean: raw model output, or after penalties/temperature/top-k/top-p."""
+    enforce_eager: bool = False
+    """Never capture CUDA graphs: decode steps run eagerly too (GPU only; CPU is always eager)."""
 
     def __post_init__(self) -> None:
         if self.tokenizer is None:
@@ -143,6 +145,22 @@ class ObservabilityConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """What the engine process does when a step raises: exit, or fail in-flight requests and wait for `retry`."""
+
+    enable_fault_tolerance: bool = False
+    """On an exception in a step: end in-flight requests with an error, mark the engine unhealthy and wait for a `retry` instruction instead of exiting."""
+    engine_recovery_timeout_sec: float = 120.0
+    """Seconds an unhealthy engine waits for a `retry` instruction before it exits (dead)."""
+    enable_fault_injection: bool = False
+    """Tests only: let the `inject_fault` utility make the engine's next step raise."""
+
+    def __post_init__(self) -> None:
+        if self.engine_recovery_timeout_sec <= 0:
+            raise ValueError(f"engine_recovery_timeout_sec must be > 0, got {self.engine_recovery_timeout_sec}")
+
+
+@dataclass
 class EngineConfig:
     """Everything one engine needs; built once and shared read-only by its parts."""
 
@@ -152,6 +170,7 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
 
 # The sections of EngineConfig, in --help order; their field names are unique across
@@ -163,6 +182,7 @@ ENGINE_CONFIG_SECTIONS: dict[str, type] = {
     "device": DeviceConfig,
     "admission": AdmissionConfig,
     "observability": ObservabilityConfig,
+    "fault_tolerance": FaultToleranceConfig,
 }
 
 

@@ -9,7 +9,12 @@ give it, with client_index 0..N-1, to N MP clients (or call `make_mp_clients`). 
 gets only the outputs of its own requests, its own utility answers and the step stats.
 
 A dead engine process turns into EngineDeadError in every waiting and later call as soon as
-its process sentinel fires (a monitor thread waits on it).
+its process sentinel fires (a monitor thread waits on it); what the engine sent before it
+exited (e.g. the ERROR outputs of the requests a failed step ended) is delivered first.
+
+Fault tolerance (FaultToleranceConfig): `fault_tolerance_status()` says "healthy", "unhealthy"
+or "dead"; `apply_fault_tolerance_instruction("retry")` brings an unhealthy engine back and
+returns once it serves again. Status changes also arrive in EngineCoreOutputs.engine_status.
 """
 
 from __future__ import annotations
@@ -32,12 +37,21 @@ from engine.config import EngineConfig
 from engine.core_proc import EngineCoreProcHandle, EngineHandshake, engine_identity
 from engine.exceptions import EngineDeadError, EngineStartupError
 from engine.serial_utils import MsgpackDecoder, MsgpackEncoder
-from engine.wire import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
+from engine.wire import (
+    FAULT_TOLERANCE_INSTRUCTIONS,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    EngineStatus,
+    FinishReason,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_READY_TIMEOUT_S = 600.0  # loading a large model may take minutes
 _POLL_MS = 100
+_DRAIN_MS = 50  # after the engine exits: read until its socket has been quiet this long
 
 
 class EngineUtilityError(RuntimeError):
@@ -100,6 +114,28 @@ class EngineCoreClient(ABC):
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         raise NotImplementedError
 
+    def fault_tolerance_status(self) -> str:
+        """"healthy", "unhealthy" (a step failed; waiting for `retry`) or "dead"."""
+        raise NotImplementedError
+
+    def apply_fault_tolerance_instruction(self, instruction: str) -> str:
+        """Sends an instruction ("retry"); returns the status after it. Unknown ones raise ValueError."""
+        raise NotImplementedError
+
+    async def fault_tolerance_status_async(self) -> str:
+        raise NotImplementedError
+
+    async def apply_fault_tolerance_instruction_async(self, instruction: str) -> str:
+        raise NotImplementedError
+
+
+def check_fault_tolerance_instruction(instruction: str) -> None:
+    if instruction not in FAULT_TOLERANCE_INSTRUCTIONS:
+        raise ValueError(
+            f"instruction: unknown fault tolerance instruction {instruction!r}; "
+            f"expected one of {list(FAULT_TOLERANCE_INSTRUCTIONS)}"
+        )
+
 
 # ---- in-process ------------------------------------------------------------------------------
 
@@ -109,17 +145,25 @@ class InprocClient(EngineCoreClient):
 
     add_request raises ValueError for a bad request (the MP clients get an ERROR output instead).
     Not thread-safe; async methods run the step on the event loop.
+
+    Fault tolerance in-process: without it a failed step raises to the caller of get_output;
+    with it the step's requests end with ERROR and the engine is unhealthy (add_request raises
+    RuntimeError) until `retry`. There is no recovery timeout here: no process to end.
     """
 
     def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
         from engine.engine_core import EngineCore
 
         self.engine_core = EngineCore(config)
+        self.enable_fault_tolerance = config.fault_tolerance.enable_fault_tolerance
+        self.status = EngineStatus.HEALTHY
         self.log_stats = log_stats
         self._pending = []  # abort outputs for the next get_output
         self._has_work: asyncio.Event | None = None
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        if self.status != EngineStatus.HEALTHY:
+            raise RuntimeError(f"the engine is {self.status}; apply the retry instruction")
         self.engine_core.add_request(request)
         self._wake()
 
@@ -127,9 +171,18 @@ class InprocClient(EngineCoreClient):
         self._pending += self.engine_core.abort_requests(req_ids)
         self._wake()
 
+    def _can_step(self) -> bool:
+        return self.status == EngineStatus.HEALTHY and self.engine_core.has_unfinished_requests()
+
     def get_output(self) -> EngineCoreOutputs:
-        if self.engine_core.has_unfinished_requests():
-            outputs = self.engine_core.step()
+        if self._can_step():
+            try:
+                outputs = self.engine_core.step()
+            except Exception as e:
+                if not self.enable_fault_tolerance:
+                    raise
+                logger.exception("InprocClient: a step failed; the engine is unhealthy")
+                outputs = self._fail_in_flight(f"{type(e).__name__}: {e}")
         else:
             outputs = EngineCoreOutputs(timestamp=time.time())
         if self._pending:
@@ -143,7 +196,10 @@ class InprocClient(EngineCoreClient):
         fn = getattr(self.engine_core, method, None) if not method.startswith("_") else None
         if not callable(fn):
             raise EngineUtilityError(f"AttributeError: EngineCore has no method {method!r}")
-        return fn(*args)
+        try:
+            return fn(*args)
+        finally:
+            self._wake()  # resume(), wake_up(), pause("abort")... may give the engine work to do
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self.add_request(request)
@@ -154,7 +210,7 @@ class InprocClient(EngineCoreClient):
     async def get_output_async(self) -> EngineCoreOutputs:
         if self._has_work is None:
             self._has_work = asyncio.Event()
-        while not (self.engine_core.has_unfinished_requests() or self._pending):
+        while not (self._can_step() or self._pending):
             self._has_work.clear()
             await self._has_work.wait()
         await asyncio.sleep(0)  # the step blocks the loop: let other tasks run between steps
@@ -162,6 +218,31 @@ class InprocClient(EngineCoreClient):
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         return self.call_utility(method, *args)
+
+    def _fail_in_flight(self, reason: str) -> EngineCoreOutputs:
+        self.status = EngineStatus.UNHEALTHY
+        errors = [
+            EngineCoreOutput(req_id, [], finish_reason=FinishReason.ERROR, stop_reason=reason)
+            for req_id in self.engine_core.scheduler.requests
+        ]
+        return EngineCoreOutputs(outputs=errors, timestamp=time.time(), engine_status=self.status)
+
+    def fault_tolerance_status(self) -> str:
+        return str(self.status)
+
+    def apply_fault_tolerance_instruction(self, instruction: str) -> str:
+        check_fault_tolerance_instruction(instruction)
+        if self.status == EngineStatus.UNHEALTHY:  # "retry"
+            self.engine_core.reset_after_fault()
+            self.status = EngineStatus.HEALTHY
+            self._wake()
+        return str(self.status)
+
+    async def fault_tolerance_status_async(self) -> str:
+        return self.fault_tolerance_status()
+
+    async def apply_fault_tolerance_instruction_async(self, instruction: str) -> str:
+        return self.apply_fault_tolerance_instruction(instruction)
 
     def _wake(self) -> None:
         if self._has_work is not None:
@@ -187,6 +268,7 @@ class _MPClient(EngineCoreClient):
         self.client_index = client_index
         self.engine = engine if engine is not None else EngineCoreProcHandle(config, num_clients=1)
         self._dead: EngineDeadError | None = None
+        self.engine_status = EngineStatus.HEALTHY  # the last status the engine pushed
         self._closed = False
         self._attached = False
         self._call_ids = itertools.count()
@@ -251,9 +333,19 @@ class _MPClient(EngineCoreClient):
         except zmq.ZMQError as e:  # EHOSTUNREACH: the engine's DEALER is gone
             raise EngineDeadError(f"cannot reach the engine process: {e}") from e
 
-    def _utility_payload(self, method: str, args: tuple) -> tuple[int, tuple]:
+    def _call_payload(self, request_type: EngineCoreRequestType, args: tuple) -> tuple[int, tuple]:
+        """A new call id and the payload of a UTILITY (method, *args) or FAULT_TOLERANCE (instruction) call."""
         call_id = next(self._call_ids)
-        return call_id, (self.client_index, call_id, method, list(args))
+        if request_type == EngineCoreRequestType.UTILITY:
+            method, *rest = args
+            return call_id, (self.client_index, call_id, method, rest)
+        return call_id, (call_id, *args)
+
+    def _note_status(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.engine_status is not None:
+            self.engine_status = outputs.engine_status
+            if outputs.engine_status != EngineStatus.HEALTHY:
+                logger.warning("engine %d is %s", outputs.engine_index, outputs.engine_status)
 
     @staticmethod
     def _utility_result(outputs: EngineCoreOutputs) -> Any:
@@ -262,13 +354,24 @@ class _MPClient(EngineCoreClient):
             raise EngineUtilityError(answer.failure_message)
         return answer.result
 
+    @staticmethod
+    def _utility_stats(outputs: EngineCoreOutputs) -> EngineCoreOutputs | None:
+        """The stats a utility answer carries, as a plain message for the frontend's stat loggers."""
+        if outputs.scheduler_stats is None:
+            return None
+        return EngineCoreOutputs(
+            timestamp=outputs.timestamp, scheduler_stats=outputs.scheduler_stats, engine_index=outputs.engine_index
+        )
+
     def _on_engine_death(self, message: str) -> None:
-        """Called from the engine monitor thread: mark dead, then wake every waiter."""
+        """Called from the engine monitor thread: mark dead, then (after the engine's last outputs) wake every waiter."""
         self._dead = EngineDeadError(message)
-        self._wake_waiters()
+        self.engine_status = EngineStatus.DEAD
+        self._wake_waiters(drain=True)
 
     @abstractmethod
-    def _wake_waiters(self) -> None: ...
+    def _wake_waiters(self, drain: bool) -> None:
+        """Fails every waiter with self._dead; drain: first deliver what the engine already sent."""
 
     def shutdown(self) -> None:
         """Stops the engine process if this was its last client, and closes this client's sockets."""
@@ -279,7 +382,7 @@ class _MPClient(EngineCoreClient):
             self.engine.detach(self.client_index)
         if self._dead is None:
             self._dead = EngineDeadError("the engine client was shut down")
-        self._wake_waiters()
+        self._wake_waiters(drain=False)
         self.input_socket.close(linger=0)
         if self._close_output_socket():
             self.ctx.term()
@@ -302,25 +405,39 @@ class SyncMPClient(_MPClient):
         self._lock = threading.Lock()  # the ROUTER socket and the encoder are not thread-safe
         self._reader: threading.Thread | None = None
         self._stop = threading.Event()
+        self._engine_gone = threading.Event()  # set by the monitor: drain, then fail the waiters
         super().__init__(*args, **kwargs)
         self._reader = threading.Thread(target=self._read_outputs, name="engine-client-output", daemon=True)
         self._reader.start()
 
     def _read_outputs(self) -> None:
-        while not self._stop.is_set():
-            if not self.output_socket.poll(_POLL_MS):
-                continue
-            try:
-                outputs = self._decoder.decode(self.output_socket.recv_multipart(copy=False))
-            except Exception:
-                logger.exception("SyncMPClient: dropped an undecodable message from the engine")
-                continue
-            if outputs.utility_output is not None:
-                future = self._utility_futures.pop(outputs.utility_output.call_id, None)
-                if future is not None:
-                    future.set_result(outputs)
-            else:
-                self._outputs.put(outputs)
+        try:
+            while not self._stop.is_set():
+                if self._engine_gone.is_set():
+                    while self.output_socket.poll(_DRAIN_MS):  # what the engine sent before it exited
+                        self._dispatch(self.output_socket.recv_multipart(copy=False))
+                    return
+                if self.output_socket.poll(_POLL_MS):
+                    self._dispatch(self.output_socket.recv_multipart(copy=False))
+        finally:
+            if self._dead is not None:  # whoever marked us dead may have left the waking to us
+                self._fail_waiters()
+
+    def _dispatch(self, frames: list) -> None:
+        try:
+            outputs = self._decoder.decode(frames)
+        except Exception:
+            logger.exception("SyncMPClient: dropped an undecodable message from the engine")
+            return
+        if outputs.utility_output is not None:
+            future = self._utility_futures.pop(outputs.utility_output.call_id, None)
+            if future is not None:
+                future.set_result(outputs)
+            if (stats := self._utility_stats(outputs)) is not None:
+                self._outputs.put(stats)
+        else:
+            self._note_status(outputs)
+            self._outputs.put(outputs)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         with self._lock:
@@ -338,18 +455,40 @@ class SyncMPClient(_MPClient):
         return outputs
 
     def call_utility(self, method: str, *args: Any) -> Any:
+        return self._call(EngineCoreRequestType.UTILITY, method, *args)
+
+    def fault_tolerance_status(self) -> str:
+        if self._dead is None:
+            try:
+                return self._call(EngineCoreRequestType.FAULT_TOLERANCE, "status")
+            except EngineDeadError:
+                pass
+        return str(EngineStatus.DEAD)
+
+    def apply_fault_tolerance_instruction(self, instruction: str) -> str:
+        check_fault_tolerance_instruction(instruction)
+        return self._call(EngineCoreRequestType.FAULT_TOLERANCE, instruction)
+
+    def _call(self, request_type: EngineCoreRequestType, *args: Any) -> Any:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            call_id, payload = self._utility_payload(method, args)
+            call_id, payload = self._call_payload(request_type, args)
             self._utility_futures[call_id] = future
             try:
-                self._send(EngineCoreRequestType.UTILITY, payload)
+                self._send(request_type, payload)
             except BaseException:
                 self._utility_futures.pop(call_id, None)
                 raise
         return self._utility_result(future.result())
 
-    def _wake_waiters(self) -> None:
+    def _wake_waiters(self, drain: bool) -> None:
+        reader = self._reader
+        if drain and reader is not None and reader.is_alive() and threading.current_thread() is not reader:
+            self._engine_gone.set()  # the reader drains, then fails the waiters on its way out
+        else:
+            self._fail_waiters()
+
+    def _fail_waiters(self) -> None:
         self._outputs.put(_DEAD)
         for call_id in list(self._utility_futures):
             future = self._utility_futures.pop(call_id, None)
@@ -377,6 +516,7 @@ class AsyncMPClient(_MPClient):
         self._outputs: asyncio.Queue | None = None
         self._utility_futures: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
+        self._engine_gone = threading.Event()  # set by the monitor: the reader drains, then fails the waiters
         super().__init__(*args, **kwargs)
 
     def _make_context(self) -> zmq.Context:
@@ -389,25 +529,38 @@ class AsyncMPClient(_MPClient):
             self._loop, self._outputs = loop, asyncio.Queue()
             while old is not None and not old.empty():  # outputs read on the previous loop
                 self._outputs.put_nowait(old.get_nowait())
-            self._reader = loop.create_task(self._read_outputs(self._outputs))
             if self._dead is not None:
                 self._outputs.put_nowait(_DEAD)
+            else:
+                self._reader = loop.create_task(self._read_outputs(self._outputs))
         return self._outputs
 
     async def _read_outputs(self, outputs_queue: asyncio.Queue) -> None:
-        while True:
-            frames = await self.output_socket.recv_multipart(copy=False)
-            try:
-                outputs = self._decoder.decode(frames)
-            except Exception:
-                logger.exception("AsyncMPClient: dropped an undecodable message from the engine")
-                continue
-            if outputs.utility_output is not None:
-                future = self._utility_futures.pop(outputs.utility_output.call_id, None)
-                if future is not None and not future.done():
-                    future.set_result(outputs)
-            else:
-                outputs_queue.put_nowait(outputs)
+        # Polls rather than awaiting recv forever, so that it notices the engine's exit itself:
+        # cancelling a task whose recv has just completed would drop that message.
+        sock = self.output_socket
+        while not self._engine_gone.is_set():
+            if await sock.poll(_POLL_MS):
+                self._dispatch(await sock.recv_multipart(copy=False), outputs_queue)
+        while await sock.poll(_DRAIN_MS):  # what the engine sent before it exited
+            self._dispatch(await sock.recv_multipart(copy=False), outputs_queue)
+        self._fail_waiters()
+
+    def _dispatch(self, frames: list, outputs_queue: asyncio.Queue) -> None:
+        try:
+            outputs = self._decoder.decode(frames)
+        except Exception:
+            logger.exception("AsyncMPClient: dropped an undecodable message from the engine")
+            return
+        if outputs.utility_output is not None:
+            future = self._utility_futures.pop(outputs.utility_output.call_id, None)
+            if future is not None and not future.done():
+                future.set_result(outputs)
+            if (stats := self._utility_stats(outputs)) is not None:
+                outputs_queue.put_nowait(stats)
+        else:
+            self._note_status(outputs)
+            outputs_queue.put_nowait(outputs)
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self._ensure_reader()
@@ -426,24 +579,45 @@ class AsyncMPClient(_MPClient):
         return outputs
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
+        return await self._call(EngineCoreRequestType.UTILITY, method, *args)
+
+    async def fault_tolerance_status_async(self) -> str:
+        if self._dead is None:
+            try:
+                return await self._call(EngineCoreRequestType.FAULT_TOLERANCE, "status")
+            except EngineDeadError:
+                pass
+        return str(EngineStatus.DEAD)
+
+    async def apply_fault_tolerance_instruction_async(self, instruction: str) -> str:
+        check_fault_tolerance_instruction(instruction)
+        return await self._call(EngineCoreRequestType.FAULT_TOLERANCE, instruction)
+
+    async def _call(self, request_type: EngineCoreRequestType, *args: Any) -> Any:
         self._ensure_reader()
-        call_id, payload = self._utility_payload(method, args)
+        call_id, payload = self._call_payload(request_type, args)
         future = self._loop.create_future()
         self._utility_futures[call_id] = future
         try:
-            self._send(EngineCoreRequestType.UTILITY, payload)
+            self._send(request_type, payload)
             return self._utility_result(await future)
         finally:
             self._utility_futures.pop(call_id, None)
 
-    def _wake_waiters(self) -> None:
+    def _wake_waiters(self, drain: bool) -> None:
+        if drain:
+            self._engine_gone.set()
         loop = self._loop
         if loop is None or loop.is_closed():
-            return
+            return  # the next async call sees self._dead
         if _in_loop_thread(loop):
-            self._fail_waiters()
+            self._wake_unless_reader_will(drain)
         else:
-            loop.call_soon_threadsafe(self._fail_waiters)
+            loop.call_soon_threadsafe(self._wake_unless_reader_will, drain)
+
+    def _wake_unless_reader_will(self, drain: bool) -> None:
+        if not (drain and self._reader is not None and not self._reader.done()):
+            self._fail_waiters()
 
     def _fail_waiters(self) -> None:
         if self._outputs is not None:

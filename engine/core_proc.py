@@ -7,9 +7,19 @@ Sockets (one pair per frontend, i.e. per client index; the frontend binds, the e
 
 Frontend -> engine message: [request type (1 byte), *msgpack frames] (the ROUTER adds the
 engine's identity in front), with payloads ADD: EngineCoreRequest, ABORT: list of request ids,
-UTILITY: (client_index, call_id, method name, args). Engine -> frontend: frames of one
-EngineCoreOutputs (a utility's answer rides in its utility_output). At start-up the engine
-sends one EngineHandshake on every DEALER: READY, or FAILED with the traceback, then exits.
+UTILITY: (client_index, call_id, method name, args), FAULT_TOLERANCE: (call_id, "status" or an
+instruction). Engine -> frontend: frames of one EngineCoreOutputs (a utility's answer rides in
+its utility_output). At start-up the engine sends one EngineHandshake on every DEALER: READY,
+or FAILED with the traceback, then exits.
+
+Faults: the busy loop runs under a sentinel. When it raises, every in-flight request ends with
+finish reason ERROR and every client hears the new engine status. Without fault tolerance
+(or with the executor gone) the status is DEAD and the process exits non-zero; with it, the
+status is UNHEALTHY and the loop waits up to engine_recovery_timeout_sec for a `retry`
+instruction. The input threads answer FAULT_TOLERANCE messages themselves (the busy loop is
+blocked) and, while the engine is not HEALTHY, refuse new requests and utility calls at once.
+`retry` resets the core's per-run state and returns the engine to HEALTHY (its answer is sent
+after that, so the caller's next request is served); a timeout means DEAD and exit.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from engine.wire import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
+    EngineStatus,
     FinishReason,
     UtilityOutput,
 )
@@ -66,6 +77,10 @@ class EngineHandshake(msgspec.Struct, omit_defaults=True):
 def engine_identity(engine_index: int) -> bytes:
     """The DEALER identity by which a frontend's ROUTER addresses engine `engine_index`."""
     return engine_index.to_bytes(2, "little")
+
+
+class EngineRecoveryTimeout(RuntimeError):
+    """An unhealthy engine got no `retry` instruction within engine_recovery_timeout_sec."""
 
 
 class EngineCoreProc:
@@ -113,6 +128,13 @@ class EngineCoreProc:
         self.output_queue: queue.Queue = queue.Queue()  # (client index, EngineCoreOutputs) | None
         self.req_clients: dict[str, int] = {}  # running request -> the client that sent it
         self.running = True
+        # Fault tolerance. `status` is written by the busy loop (and read by the input threads)
+        # under _status_lock, together with the retry calls waiting for the engine to recover.
+        self.fault_tolerance = config.fault_tolerance
+        self.status = EngineStatus.HEALTHY
+        self._status_lock = threading.Lock()
+        self._retry = threading.Event()
+        self._retry_calls: list[tuple[int, int]] = []  # (client index, call id), answered once HEALTHY
         self._stop_inputs = threading.Event()
         self._handshake(
             EngineHandshake(
@@ -132,9 +154,12 @@ class EngineCoreProc:
 
     def run_busy_loop(self) -> None:
         while self.running:
-            self._process_input_queue()
-            if self.running and self.engine_core.has_unfinished_requests():
-                self._step()
+            try:
+                self._process_input_queue()
+                if self.running and self.engine_core.has_unfinished_requests():
+                    self._step()
+            except Exception as e:
+                self._on_fault(e)  # returns once recovered; raises when the engine must exit
 
     def _process_input_queue(self) -> None:
         # Block only when idle; otherwise take what has arrived and go back to stepping.
@@ -197,7 +222,9 @@ class EngineCoreProc:
             answer = UtilityOutput(call_id, result=result)
         except Exception as e:
             answer = UtilityOutput(call_id, failure_message=f"{type(e).__name__}: {e}")
-        self._send(client_index, EngineCoreOutputs(utility_output=answer, timestamp=time.time()))
+        # Fresh stats ride along (pause/sleep/wake_up change gauges even while the engine idles).
+        stats = self.engine_core.make_stats() if answer.failure_message is None else None
+        self._send(client_index, EngineCoreOutputs(utility_output=answer, timestamp=time.time(), scheduler_stats=stats))
 
     def _step(self) -> None:
         step = self.engine_core.step()
@@ -217,12 +244,116 @@ class EngineCoreProc:
                     timestamp=step.timestamp,
                     scheduler_stats=stats,
                     engine_index=self.engine_index,
+                    weight_version=step.weight_version,
                 ),
             )
 
     def _send(self, client_index: int, outputs: EngineCoreOutputs) -> None:
         outputs.engine_index = self.engine_index
         self.output_queue.put((client_index, outputs))
+
+    # ---- faults (busy loop side) -------------------------------------------------------------
+
+    def _on_fault(self, error: Exception) -> None:
+        """The sentinel: fail every in-flight request, then exit (raise) or wait for `retry`."""
+        recoverable = self.fault_tolerance.enable_fault_tolerance and self.engine_core.executor.is_alive()
+        status = EngineStatus.UNHEALTHY if recoverable else EngineStatus.DEAD
+        with self._status_lock:
+            self._retry.clear()
+            self.status = status
+        self._fail_in_flight(f"{type(error).__name__}: {error}", status)
+        if not recoverable:
+            raise error  # run_engine_core logs it and exits non-zero
+        logger.exception("EngineCoreProc %d: a step failed; the engine is unhealthy", self.engine_index)
+        timeout_s = self.fault_tolerance.engine_recovery_timeout_sec
+        deadline = time.monotonic() + timeout_s
+        # Short waits, so that SIGTERM's handler runs soon (see _process_input_queue).
+        while not self._retry.wait(max(0.0, min(_IDLE_WAIT_S, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                self._set_status(EngineStatus.DEAD)
+                raise EngineRecoveryTimeout(f"no retry instruction within {timeout_s:g} s") from error
+        if not self.running:  # a "shutdown" call arrived while unhealthy
+            return
+        logger.info("EngineCoreProc %d: retry: resetting the engine", self.engine_index)
+        try:
+            self.engine_core.reset_after_fault()
+        except BaseException:
+            self._set_status(EngineStatus.DEAD)
+            raise
+        with self._status_lock:
+            self.status = EngineStatus.HEALTHY
+            retry_calls, self._retry_calls = self._retry_calls, []
+        self._broadcast(EngineStatus.HEALTHY, scheduler_stats=self.engine_core.make_stats())
+        for client_index, call_id in retry_calls:
+            answer = UtilityOutput(call_id, result=str(EngineStatus.HEALTHY))
+            self._send(client_index, EngineCoreOutputs(utility_output=answer, timestamp=time.time()))
+
+    def _fail_in_flight(self, reason: str, status: EngineStatus) -> None:
+        """Ends every request the core holds with ERROR (the reason in stop_reason); tells every client `status`."""
+        by_client: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        for req_id, client_index in self.req_clients.items():
+            by_client[client_index].append(
+                EngineCoreOutput(req_id, [], finish_reason=FinishReason.ERROR, stop_reason=reason)
+            )
+        self.req_clients.clear()
+        for client_index in range(len(self.output_sockets)):
+            self._send(
+                client_index,
+                EngineCoreOutputs(outputs=by_client.get(client_index, []), timestamp=time.time(), engine_status=status),
+            )
+
+    def _set_status(self, status: EngineStatus) -> None:
+        with self._status_lock:
+            self.status = status
+        self._broadcast(status)
+
+    def _broadcast(self, status: EngineStatus, **fields: Any) -> None:
+        for client_index in range(len(self.output_sockets)):
+            self._send(client_index, EngineCoreOutputs(timestamp=time.time(), engine_status=status, **fields))
+
+    # ---- faults (input thread side) ----------------------------------------------------------
+
+    def _fault_tolerance_call(self, client_index: int, call_id: int, instruction: str) -> None:
+        """Answers "status" and "retry" at once, except a retry of an unhealthy engine (see _on_fault)."""
+        with self._status_lock:
+            status = self.status
+            if instruction == "status":
+                answer = UtilityOutput(call_id, result=str(status))
+            elif instruction == "retry" and status == EngineStatus.UNHEALTHY:
+                self._retry_calls.append((client_index, call_id))
+                self._retry.set()
+                return
+            elif instruction == "retry" and status == EngineStatus.DEAD:
+                answer = UtilityOutput(call_id, failure_message="EngineDeadError: the engine is dead; it cannot be retried")
+            elif instruction == "retry":  # healthy: nothing to recover from
+                answer = UtilityOutput(call_id, result=str(status))
+            else:
+                answer = UtilityOutput(
+                    call_id, failure_message=f"ValueError: unknown fault tolerance instruction {instruction!r}"
+                )
+        self._send(client_index, EngineCoreOutputs(utility_output=answer, timestamp=time.time()))
+
+    def _refuse_while_unhealthy(self, request_type: bytes, client_index: int, payload: Any) -> bool:
+        """While the engine is not HEALTHY: fail new requests and utility calls now; True if refused."""
+        status = self.status
+        if status == EngineStatus.HEALTHY:
+            return False
+        reason = f"the engine is {status}" + ("; send the retry instruction" if status == EngineStatus.UNHEALTHY else "")
+        if request_type == EngineCoreRequestType.ADD.value:
+            error = EngineCoreOutput(payload.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=reason)
+            self._send(client_index, EngineCoreOutputs(outputs=[error], timestamp=time.time()))
+            return True
+        if request_type == EngineCoreRequestType.UTILITY.value:
+            _sender_index, call_id, method, _args = payload
+            if method == "shutdown":  # wakes the busy loop, which then leaves
+                self.running = False
+                self._retry.set()
+                answer = UtilityOutput(call_id)
+            else:
+                answer = UtilityOutput(call_id, failure_message=f"EngineUnhealthyError: {reason}")
+            self._send(client_index, EngineCoreOutputs(utility_output=answer, timestamp=time.time()))
+            return True
+        return False  # aborts keep their place in the queue (nothing is in flight anyway)
 
     # ---- IO threads --------------------------------------------------------------------------
 
@@ -231,6 +362,7 @@ class EngineCoreProc:
             EngineCoreRequestType.ADD.value: MsgpackDecoder(EngineCoreRequest),
             EngineCoreRequestType.ABORT.value: MsgpackDecoder(list[str]),
             EngineCoreRequestType.UTILITY.value: MsgpackDecoder(tuple[int, int, str, list]),
+            EngineCoreRequestType.FAULT_TOLERANCE.value: MsgpackDecoder(tuple[int, str]),
         }
         try:
             while not self._stop_inputs.is_set():
@@ -243,7 +375,10 @@ class EngineCoreProc:
                 except Exception as e:  # a malformed message is dropped, the engine keeps serving
                     logger.error("EngineCoreProc: undecodable %r message from client %d: %s", request_type, client_index, e)
                     continue
-                self.input_queue.put((request_type, client_index, payload))
+                if request_type == EngineCoreRequestType.FAULT_TOLERANCE.value:
+                    self._fault_tolerance_call(client_index, *payload)
+                elif not self._refuse_while_unhealthy(request_type, client_index, payload):
+                    self.input_queue.put((request_type, client_index, payload))
         finally:
             sock.close(linger=0)
 

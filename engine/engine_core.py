@@ -6,8 +6,18 @@ import logging
 import time
 
 from engine.config import EngineConfig
+from engine.control import (
+    MEMORY_TAGS,
+    PauseState,
+    check_pause_mode,
+    check_sleep_level,
+    check_wake_up_tags,
+    tags_put_to_sleep,
+)
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
+from engine.core.stats import SchedulerStats
+from engine.exceptions import EngineNotReadyError
 from engine.executor import UniProcExecutor
 from engine.wire import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 
@@ -15,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
+    # Opaque label of the weights being served; stamped on every step's EngineCoreOutputs.
+    weight_version: str = "default"
+
     def __init__(self, config: EngineConfig, executor_class: type = UniProcExecutor) -> None:
         assert config.model.max_model_len is not None, "resolve max_model_len before building the core"
         self.config = config
@@ -24,9 +37,22 @@ class EngineCore:
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(self.num_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, self.num_blocks)
+        self._fault_pending = False  # tests only: inject_fault() makes the next step raise
+        # RL control plane (see "pause / sleep" below); the scheduler holds the resulting PauseState.
+        self._pause_mode: str | None = None  # a PauseMode while paused
+        self._asleep: set[str] = set()  # WakeUpTags still asleep
+        self._sleep_level = 0  # the level of the last sleep(), meaningful while _asleep
+        # ABORT outputs of requests ended by pause("abort") or sleep(); the next step() emits them.
+        self._pending_outputs: list[EngineCoreOutput] = []
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Admits a request, or raises ValueError naming what is wrong and changes nothing."""
+        """Admits a request, or raises ValueError naming what is wrong and changes nothing.
+
+        EngineNotReadyError (retryable) while asleep, or paused in abort or wait mode; a
+        keep-mode pause queues the request and schedules it after resume().
+        """
+        if self._asleep:
+            raise EngineNotReadyError("the engine is asleep: no requests until wake_up()", reason="sleeping")
         validate_request(request, self.max_model_len, self.vocab_size)
         self.scheduler.add_request(Request.from_engine_core_request(request))
 
@@ -35,22 +61,225 @@ class EngineCore:
         return [EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ABORT) for r in finished]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while step() has work: requests it may schedule, or outputs it has yet to emit.
+
+        Requests frozen by a keep-mode pause or by sleep do not count, so that the busy loop
+        idles instead of spinning; scheduler.has_unfinished_requests() counts them.
+        """
+        return bool(self._pending_outputs) or self._can_schedule()
+
+    def _can_schedule(self) -> bool:
+        return self.scheduler.has_unfinished_requests() and self.scheduler.pause_state != PauseState.PAUSED_ALL
 
     def step(self) -> EngineCoreOutputs:
-        if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs(timestamp=time.time())
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs.scheduler_stats = self.scheduler.make_stats()
+        pending, self._pending_outputs = self._pending_outputs, []
+        if self._can_schedule():
+            scheduler_output = self.scheduler.schedule()
+            if self._fault_pending:  # after schedule(): the state a real mid-step failure leaves behind
+                self._fault_pending = False
+                raise InjectedFault("injected fault (enable_fault_injection, tests only)")
+            runner_output = self.executor.execute_model(scheduler_output)
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        elif pending:
+            outputs = EngineCoreOutputs(timestamp=time.time())
+        else:
+            return EngineCoreOutputs(timestamp=time.time(), weight_version=self.weight_version)
+        outputs.outputs = pending + outputs.outputs
+        outputs.scheduler_stats = self.make_stats()
+        outputs.weight_version = self.weight_version
         return outputs
+
+    def make_stats(self) -> SchedulerStats:
+        """The scheduler's stats (which resets its since-last-stats counters) plus the sleep level."""
+        stats = self.scheduler.make_stats()
+        stats.sleep_level = self._sleep_level if self._asleep else 0
+        return stats
+
+    # ---- pause / sleep (the RL control plane; vocabulary in engine/control.py) ----------------
+    # Utility calls run between steps, so each of these sees the engine idle: no step is half done.
+    # Pause and sleep are independent; the scheduler's PauseState is the stricter of the two.
+
+    def pause(self, mode: str = "abort") -> list[str]:
+        """Pauses generation; returns the ids of the requests it aborted (abort mode only).
+
+        abort: every in-flight request ends with finish reason abort (its ABORT output is
+            emitted by the next step, so every frontend ends it), new requests are refused.
+        wait: new requests are refused (EngineNotReadyError); in-flight ones keep running. This
+            call does not wait for them: the frontend polls has_unfinished_requests() until it
+            is False (a utility call cannot block the loop that would finish them).
+        keep: nothing is scheduled; in-flight requests keep their KV cache and new requests
+            queue. resume() continues them exactly where they stopped.
+        Pausing again switches the mode. Returns with the device synchronized.
+        """
+        mode = check_pause_mode(mode)
+        aborted = self._abort_all() if mode == "abort" else []
+        self._pause_mode = mode
+        self._apply_pause_state()
+        self.executor.synchronize()
+        return aborted
+
+    def resume(self) -> None:
+        """Ends a pause (a no-op when not paused); does not wake a sleeping engine."""
+        self._pause_mode = None
+        self._apply_pause_state()
+
+    def is_paused(self) -> bool:
+        return self._pause_mode is not None
+
+    def sleep(self, level: int = 1) -> None:
+        """Stops scheduling (level 0), and frees the KV cache and offloads (1) or discards (2) the weights.
+
+        Requests in flight when level >= 1 is asked for are aborted (their KV cache is about to
+        be freed, so a keep-mode pause cannot outlive it); level 0 freezes them like a keep
+        pause. While asleep, new requests get EngineNotReadyError(reason="sleeping"). Sleeping
+        again at the same level is a no-op; at another level, wake up first.
+        """
+        level = check_sleep_level(level)
+        if self._asleep:
+            if level == self._sleep_level and self._asleep == tags_put_to_sleep(level):
+                return
+            raise RuntimeError(
+                f"sleep: the engine is already asleep (level {self._sleep_level}, asleep: "
+                f"{sorted(self._asleep)}); wake_up() first"
+            )
+        if level >= 1:
+            aborted = self._abort_all()
+            if aborted:
+                logger.warning("EngineCore: sleep(%d) aborted %d in-flight requests", level, len(aborted))
+        self.executor.sleep(level)
+        if level >= 1:
+            self.scheduler.reset_prefix_cache()  # the KV it points at is gone
+        self._asleep = tags_put_to_sleep(level)
+        self._sleep_level = level
+        self._apply_pause_state()
+        self.executor.synchronize()
+        logger.info("EngineCore: asleep at level %d", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wakes the given parts ("weights", "kv_cache", "scheduling"; None: all); awake parts are skipped.
+
+        Scheduling needs the memory back: it wakes by itself with the last of weights and
+        kv_cache, and asking for it while one of them still sleeps is a ValueError. After
+        sleep(2), "weights" re-allocates the weights and re-loads them from the checkpoint
+        directory, so the RL order sleep(2) -> wake_up(["weights"]) -> weight update ->
+        wake_up(["kv_cache"]) serves the update, and without the update the checkpoint.
+        The KV cache comes back with the same number of blocks and an empty prefix cache.
+        """
+        wanted = check_wake_up_tags(tags)
+        to_wake = wanted & self._asleep
+        memory = to_wake & MEMORY_TAGS
+        memory_left = (self._asleep - to_wake) & MEMORY_TAGS
+        if "scheduling" in to_wake and memory_left:
+            raise ValueError(
+                f"tags: 'scheduling' cannot wake while {sorted(memory_left)} still sleeps; wake them together"
+            )
+        if memory:
+            self.executor.wake_up(sorted(memory))
+        self._asleep -= to_wake
+        if memory and not memory_left:
+            self._asleep.discard("scheduling")
+        self._apply_pause_state()
+        if to_wake:
+            logger.info("EngineCore: woke up %s%s", sorted(to_wake), "" if self._asleep else "; awake")
+
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
+
+    def _abort_all(self) -> list[str]:
+        finished = self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
+        self._pending_outputs += [EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ABORT) for r in finished]
+        return [r.request_id for r in finished]
+
+    def _apply_pause_state(self) -> None:
+        if self._asleep or self._pause_mode == "keep":
+            state = PauseState.PAUSED_ALL
+        elif self._pause_mode is not None:
+            state = PauseState.PAUSED_NEW
+        else:
+            state = PauseState.UNPAUSED
+        self.scheduler.set_pause_state(state)
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
+    def reset_after_fault(self) -> None:
+        """Forgets every request and all cached KV after a failed step; the model and weights stay.
+
+        The scheduler is rebuilt (its queues, block pool and prefix cache may be half-updated,
+        and cached blocks may hold KV that was never written) and the runner drops its
+        per-request state.
+        """
+        self._fault_pending = False
+        self.executor.reset_requests()
+        self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.max_model_len, self.num_blocks)
+        self._pending_outputs = []  # their requests were failed with the rest
+        self._apply_pause_state()  # a pause or sleep outlives the rebuilt scheduler
+
+    def inject_fault(self, kind: str = "step") -> None:
+        """Tests only: makes the next step raise InjectedFault. Needs enable_fault_injection."""
+        if not self.config.fault_tolerance.enable_fault_injection:
+            raise RuntimeError("fault injection is off (enable_fault_injection=False; it is for tests only)")
+        if kind != "step":
+            raise ValueError(f"kind: unknown fault kind {kind!r}; expected 'step'")
+        self._fault_pending = True
+
+    # ---- weights: versions, updates (engine/worker/weight_update.py), checks -------------------
+    # Utility calls run between steps, so no step ever sees a half-applied update_weights call.
+
+    def update_weight_version(self, weight_version: str) -> None:
+        if not isinstance(weight_version, str) or not weight_version:
+            raise ValueError(f"weight_version: expected a non-empty string, got {weight_version!r}")
+        self.weight_version = weight_version
+
+    def get_weight_version(self) -> str:
+        return self.weight_version
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.executor.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        self.executor.start_weight_update()
+
+    def update_weights(self, update_info: dict) -> int:
+        """Lands one atomic batch of HF-named tensors; returns how many. ValueError: nothing changed.
+
+        The prefix cache is reset here too (not only at finish), so that even between the
+        calls of one update no request hits a block computed with older weights.
+        """
+        num_loaded = self.executor.update_weights(update_info)
+        self.scheduler.reset_prefix_cache()
+        return num_loaded
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Ends the update, forgets the prefix cache and, if given, switches the weight version.
+
+        After the reset no request can hit a block computed with the old weights; running
+        requests keep their own KV (keep mode) but never register blocks again.
+        """
+        if weight_version is not None and (not isinstance(weight_version, str) or not weight_version):
+            raise ValueError(f"weight_version: expected a non-empty string, got {weight_version!r}")
+        self.executor.finish_weight_update()
+        self.scheduler.reset_prefix_cache()
+        if weight_version is not None:
+            self.weight_version = weight_version
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.executor.shutdown_weight_transfer_engine()
+
+    def weight_info(self) -> dict:
+        """{"weight_version": str, "weights": {hf_name: {"shape": [...], "dtype": str}}}."""
+        return {"weight_version": self.weight_version, "weights": self.executor.weight_info()}
+
+    def weight_checker(self, baseline: dict | None = None) -> dict:
+        """{"weight_version", "checksums": {hf_name: sha256}}, plus match/mismatches/missing/unexpected vs `baseline`."""
+        return {"weight_version": self.weight_version, **self.executor.weight_checker(baseline)}
+
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+class InjectedFault(RuntimeError):
+    """The failure inject_fault() asked for (tests only)."""
 
 
 def validate_request(request: EngineCoreRequest, max_model_len: int, vocab_size: int) -> None:

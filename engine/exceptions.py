@@ -33,3 +33,15 @@ class MaxQueuedTokensError(AdmissionError):
     """More than max_num_queued_tokens prompt tokens are already waiting."""
 
     reason = "queued_tokens"
+
+
+class EngineNotReadyError(RuntimeError):
+    """The engine is paused or asleep and refuses new requests for now; retry after resume() /
+    wake_up() (HTTP 503). `reason` says which: "paused" or "sleeping"."""
+
+    http_status = 503
+    retryable = True
+
+    def __init__(self, message: str = "the engine is not ready", reason: str = "not_ready") -> None:
+        super().__init__(message)
+        self.reason = reason

@@ -109,6 +109,8 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
+        # (weight_version, start, end) over token_ids; adjacent steps of one version share a span.
+        self.weight_spans: list[tuple[str, int, int]] = []
         # DELTA bookkeeping: how much of each stream the caller has seen.
         self.num_sent_tokens = 0
         self.num_sent_chars = 0
@@ -118,8 +120,9 @@ class RequestState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def update(self, out: EngineCoreOutput) -> bool:
+    def update(self, out: EngineCoreOutput, weight_version: str = "default") -> bool:
         """Folds one step into the state; returns True if a stop string finished the request here."""
+        self._extend_weight_spans(weight_version, len(out.new_token_ids))
         self.token_ids += out.new_token_ids
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.new_logprobs is not None and self.logprobs is not None:
@@ -152,6 +155,22 @@ class RequestState:
         # A stop string overrides whatever the engine said in the same step (e.g. "length").
         self.finish_reason, self.stop_reason = str(FinishReason.STOP), stop_str
         return not out.finished
+
+    def _extend_weight_spans(self, weight_version: str, num_new_tokens: int) -> None:
+        if num_new_tokens == 0:
+            return
+        start, end = len(self.token_ids), len(self.token_ids) + num_new_tokens
+        if self.weight_spans and self.weight_spans[-1][0] == weight_version:
+            start = self.weight_spans.pop()[1]  # the same weights continue: grow the last span
+        self.weight_spans.append((weight_version, start, end))
+
+    def _weight_spans_from(self, start_tok: int) -> list[tuple[str, int, int]]:
+        """The spans of token_ids[start_tok:], re-based so that they index that slice."""
+        return [
+            (version, max(start, start_tok) - start_tok, end - start_tok)
+            for version, start, end in self.weight_spans
+            if end > start_tok
+        ]
 
     def _logprob_dicts(self, lists: LogprobsLists, num_top: int) -> list[dict[int, Logprob]]:
         """Per position {token_id: Logprob}: the chosen token (its true rank) first, then the top num_top."""
@@ -192,6 +211,7 @@ class RequestState:
             logprobs=self.logprobs[start_tok:] if self.logprobs is not None else None,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            weight_versions=self._weight_spans_from(start_tok),
         )
 
     def take_prompt_logprobs(self, kind: RequestOutputKind) -> PromptLogprobs | None:
@@ -264,7 +284,13 @@ class OutputProcessor:
     def get_num_unfinished_requests(self) -> int:
         return len(self.request_states)
 
-    def process_outputs(self, engine_core_outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+    def process_outputs(
+        self, engine_core_outputs: list[EngineCoreOutput], weight_version: str | None = None
+    ) -> OutputProcessorOutput:
+        """`weight_version`: the version that computed these outputs (EngineCoreOutputs.weight_version);
+        None counts as "default". It becomes the CompletionOutputs' weight_versions spans."""
+        if weight_version is None:
+            weight_version = "default"
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
         # Children's reports are gathered per parent so each step yields one output per parent.
@@ -273,7 +299,7 @@ class OutputProcessor:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # aborted meanwhile
-            if state.update(out):
+            if state.update(out, weight_version):
                 reqs_to_abort.append(state.req_id)
             if state.finished:
                 del self.request_states[state.req_id]

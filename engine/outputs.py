@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -32,6 +32,9 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None  # "stop", "length", "abort", "error", "repetition"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # (weight_version, start, end) spans over this output's token_ids (end exclusive, indices into
+    # token_ids, so a DELTA output covers only its own tokens): which weights produced which tokens.
+    weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -26,6 +26,21 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
+class EngineStatus(enum.IntEnum):
+    """The engine's health as pushed to its clients (EngineCoreOutputs.engine_status)."""
+
+    HEALTHY = 0  # serving
+    UNHEALTHY = 1  # a step failed; in-flight requests ended with ERROR; waiting for `retry`
+    DEAD = 2  # exiting, or gone
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+# Instructions a frontend may send (EngineCoreRequestType.FAULT_TOLERANCE); "status" is a query.
+FAULT_TOLERANCE_INSTRUCTIONS = ("retry",)
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     """A tokenized request on its way into the engine core."""
 
@@ -96,6 +111,7 @@ class EngineCoreRequestType(bytes, enum.Enum):
     ADD = b"\x00"
     ABORT = b"\x01"
     UTILITY = b"\x02"
+    FAULT_TOLERANCE = b"\x03"  # (call_id, "status" | an instruction), answered by the input thread
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -107,3 +123,6 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     scheduler_stats: SchedulerStats | None = None
     utility_output: UtilityOutput | None = None
     engine_index: int = 0
+    # The weight version (EngineCore.update_weight_version) that computed this step's tokens.
+    weight_version: str = "default"
+    engine_status: EngineStatus | None = None  # set when the engine's health changed; None: unchanged

@@ -17,6 +17,8 @@ from rollout.server.config import ServerConfig
 
 logger = logging.getLogger("rollout.cli")
 
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
 
 def _check_unique_flags() -> None:
     import dataclasses
@@ -78,6 +80,11 @@ def launch_command(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as e:
         print(f"rollout launch: error: {e}", file=sys.stderr)
         return 2
+    if server_config.enable_rl_routes and server_config.api_key is None and server_config.host not in _LOOPBACK:
+        logger.warning(
+            "--enable-rl-routes on %s without --api-key: anyone who reaches the port can pause the engine "
+            "and replace its weights", server_config.host,
+        )
     return asyncio.run(_serve(engine_kwargs, server_config, served_name))
 
 

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 
 from engine.config import CacheConfig, SchedulerConfig
+from engine.control import PauseState
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.core.stats import SchedulerStats, StepWork
+from engine.exceptions import EngineNotReadyError
 from engine.sampling_params import RepetitionDetectionParams
 from engine.wire import EngineCoreOutput, EngineCoreOutputs
 from engine.worker.runner_output import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
 
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -94,6 +99,11 @@ class Scheduler:
 
     Default budget when max_num_batched_tokens is None: max(2048, max_num_seqs) with
     chunked prefill, and at least max_model_len without it (a whole prompt must fit).
+
+    Pause states (set_pause_state): PAUSED_NEW refuses new requests but schedules everything
+    already admitted (waiting and preempted ones too, so a wait-mode pause drains);
+    PAUSED_ALL schedules nothing and queues new requests, so a request stops exactly between
+    two steps and later continues from there.
     """
 
     def __init__(
@@ -130,10 +140,13 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_preemptions_since_stats = 0
         self.step_work_since_stats = StepWork()
+        self.pause_state = PauseState.UNPAUSED
 
     # ---- requests in and out ----
 
     def add_request(self, request: Request) -> None:
+        if self.pause_state == PauseState.PAUSED_NEW:
+            raise EngineNotReadyError("the engine is paused: no new requests until resume()", reason="paused")
         if not 0 < request.num_prompt_tokens <= self.max_model_len:
             raise ValueError(
                 f"prompt_token_ids: prompt has {request.num_prompt_tokens} tokens; "
@@ -166,9 +179,18 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def set_pause_state(self, state: PauseState) -> None:
+        state = PauseState(state)
+        if state != self.pause_state:
+            logger.info("Scheduler: pause state %s -> %s", self.pause_state.name, state.name)
+            self.pause_state = state
+
     # ---- one step ----
 
     def schedule(self) -> SchedulerOutput:
+        if self.pause_state == PauseState.PAUSED_ALL:
+            # Nothing moves; finished_req_ids stay for the first step after the pause.
+            return SchedulerOutput([], CachedRequestData(), {}, 0)
         kv = self.kv_cache_manager
         token_budget = self.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
@@ -349,6 +371,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             step_num_preemptions=self.num_preemptions_since_stats,
             step_work=self.step_work_since_stats,
+            pause_state=int(self.pause_state),
         )
         self.num_preemptions_since_stats = 0
         self.step_work_since_stats = StepWork()

@@ -54,3 +54,7 @@ class SchedulerStats:
     num_preemptions: int = 0  # cumulative since the scheduler started
     step_num_preemptions: int = 0  # since the last stats (one step when read every step)
     step_work: StepWork = field(default_factory=StepWork)  # since the last stats, like the above
+    pause_state: int = 0  # engine.control.PauseState: 0 unpaused, 1 new requests refused, 2 nothing scheduled
+    # The level of the last sleep() while any part is still asleep, else 0 (sleep(0) shows as
+    # pause_state 2 only: memory stays where it is).
+    sleep_level: int = 0

@@ -32,6 +32,8 @@ REQUEST_BUCKETS = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 
 
 # Gauges that are fractions: a snapshot over several engines averages them instead of adding.
 _MEAN_OVER_ENGINES = {PREFIX + "kv_cache_usage_perc"}
+# State gauges: a snapshot over several engines shows the most paused / deepest asleep one.
+_MAX_OVER_ENGINES = {PREFIX + "engine_paused", PREFIX + "engine_sleep_level"}
 
 
 class PrometheusStatLogger(StatLoggerBase):
@@ -65,6 +67,12 @@ class PrometheusStatLogger(StatLoggerBase):
         self.num_requests_running = gauge("num_requests_running", "Requests running in the engine.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting in the engine.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).")
+        self.engine_paused = gauge(
+            "engine_paused", "Scheduler pause state: 0 unpaused, 1 new requests refused, 2 nothing scheduled."
+        )
+        self.engine_sleep_level = gauge(
+            "engine_sleep_level", "Level of the engine's sleep (1 weights offloaded, 2 discarded); 0 awake or level 0."
+        )
         self.prefix_cache_queries = counter("prefix_cache_queries", "Tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
@@ -94,6 +102,7 @@ class PrometheusStatLogger(StatLoggerBase):
         """The metrics labelled by model_name and engine only."""
         return [
             self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
+            self.engine_paused, self.engine_sleep_level,
             self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions,
             self.prompt_tokens, self.generation_tokens, self.estimated_flops,
             self.estimated_read_bytes, self.estimated_write_bytes, self.time_to_first_token,
@@ -113,6 +122,8 @@ class PrometheusStatLogger(StatLoggerBase):
             self.num_requests_running.labels(*labels).set(s.num_running_reqs)
             self.num_requests_waiting.labels(*labels).set(s.num_waiting_reqs)
             self.kv_cache_usage_perc.labels(*labels).set(s.kv_cache_usage)
+            self.engine_paused.labels(*labels).set(s.pause_state)
+            self.engine_sleep_level.labels(*labels).set(s.sleep_level)
             self.prefix_cache_queries.labels(*labels).inc(s.prefix_cache_queries)
             self.prefix_cache_hits.labels(*labels).inc(s.prefix_cache_hits)
             self.num_preemptions.labels(*labels).inc(s.step_num_preemptions)
@@ -150,7 +161,8 @@ class PrometheusStatLogger(StatLoggerBase):
 
         Labels other than model_name and engine stay in the key
         (`rollout:request_success_total{finished_reason="length"}`); engines are added up,
-        except fraction gauges, which are averaged. Histograms give `_sum` and `_count`.
+        except fraction gauges, which are averaged, and state gauges, of which the largest counts.
+        Histograms give `_sum` and `_count`.
         """
         values: dict[str, list[float]] = {}
         for family in self.registry.collect():
@@ -160,4 +172,7 @@ class PrometheusStatLogger(StatLoggerBase):
                 extra = sorted((k, v) for k, v in sample.labels.items() if k not in LABELS)
                 key = sample.name + ("{" + ",".join(f'{k}="{v}"' for k, v in extra) + "}" if extra else "")
                 values.setdefault(key, []).append(sample.value)
-        return {k: sum(v) / len(v) if k in _MEAN_OVER_ENGINES else sum(v) for k, v in values.items()}
+        return {
+            k: sum(v) / len(v) if k in _MEAN_OVER_ENGINES else max(v) if k in _MAX_OVER_ENGINES else sum(v)
+            for k, v in values.items()
+        }

@@ -10,6 +10,7 @@ from engine.core.sched_output import SchedulerOutput
 from engine.forward_context import set_forward_context
 from engine.sample import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs, make_generator
 from engine.wire import LogprobsLists
+from engine.worker.cuda_graphs import CudaGraphRunner
 from engine.worker.input_batch import InputBatch, make_input_batch
 from engine.worker.model_state import model_state_for
 from engine.worker.request_state import RequestState
@@ -35,6 +36,33 @@ class ModelRunner:
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
         self.eos_token_ids: dict[str, int | None] = {}
+        self.max_num_blocks_per_req = max_num_blocks_per_req
+        # Decode CUDA graphs (GPU only); captured by capture_cuda_graphs() once the KV cache exists.
+        self.cuda_graphs: CudaGraphRunner | None = None
+
+    def capture_cuda_graphs(self) -> None:
+        """Captures the decode graphs, unless on CPU, enforce_eager, or the attention backend can't replay."""
+        from engine.attention.layer import get_attention_backend
+
+        if self.device.type != "cuda" or self.config.model.enforce_eager:
+            return
+        if not getattr(get_attention_backend(), "SUPPORTS_CUDA_GRAPHS", False):
+            return
+        graphs = CudaGraphRunner(self.model, self.device, self.config.scheduler.max_num_seqs,
+                                 self.max_num_blocks_per_req)
+        graphs.capture()
+        self.cuda_graphs = graphs
+
+    def _forward(self, batch: InputBatch) -> torch.Tensor:  # [T, hidden]
+        """One forward pass: a graph replay for decode steps that fit a bucket, else eager."""
+        graphs = self.cuda_graphs
+        if graphs is not None:
+            size = graphs.bucket_for(batch)
+            if size is not None:
+                return graphs.replay(size, batch)
+        attn_metadata = self.model_state.attn_metadata(batch)
+        with set_forward_context(attn_metadata):
+            return self.model(**self.model_state.model_inputs(batch))
 
     # ---- state updates -------------------------------------------------------------------
 
@@ -54,6 +82,12 @@ class ModelRunner:
             if new_block_ids:
                 self.state.append_block_ids(slot, new_block_ids)
 
+    def reset_requests(self) -> None:
+        """Forgets every request (after a failed step the scheduler starts over as well)."""
+        for req_id in list(self.state.req_id_to_slot):
+            self.state.remove_request(req_id)
+        self.eos_token_ids.clear()
+
     # ---- the step --------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -62,9 +96,7 @@ class ModelRunner:
         if sched.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
         batch = make_input_batch(self.state, sched, self.block_size)
-        attn_metadata = self.model_state.attn_metadata(batch)
-        with set_forward_context(attn_metadata):
-            hidden = self.model(**self.model_state.model_inputs(batch))  # [T, hidden]
+        hidden = self._forward(batch)  # [T, hidden]
 
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         sampled: list[list[int]] = [[] for _ in batch.req_ids]

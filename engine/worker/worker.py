@@ -12,6 +12,7 @@ from engine.core.sched_output import SchedulerOutput
 from engine.models.loader import load_hf_config, load_model
 from engine.worker.model_runner import ModelRunner
 from engine.worker.runner_output import ModelRunnerOutput
+from engine.worker.weight_update import WeightUpdater
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ class Worker:
         self.max_model_len = max_model_len
         self.device = torch.device(config.device.resolve())
         if self.device.type == "cuda":
+            if self.device.index is None:  # set_device needs an index; "cuda" means the current one
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         torch.manual_seed(config.model.seed)
@@ -58,6 +61,8 @@ class Worker:
             vocab_size=self.hf_config.vocab_size,
             max_model_len=max_model_len,
         )
+        # Built while the weights are resident: it records their shapes (sleep mode may empty them).
+        self.weight_updater = WeightUpdater(self.model, self.device)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -103,6 +108,57 @@ class Worker:
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             num_blocks, block_size, num_blocks * self.kv_bytes_per_block / 2**20,
         )
+        # Graphs record the KV tensors' addresses, so they are captured after allocation.
+        self.model_runner.capture_cuda_graphs()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def reset_requests(self) -> None:
+        """Drops every request's state (after a failed step); weights and KV tensors stay."""
+        self.model_runner.reset_requests()
+
+    # ---- weight updates: engine/worker/weight_update.py owns the state machine and validation ----
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.weight_updater.init_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        self.weight_updater.start_update()
+
+    def update_weights(self, update_info: dict) -> int:
+        return self.weight_updater.update_weights(update_info)
+
+    def finish_weight_update(self) -> None:
+        self.weight_updater.finish_update()
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.weight_updater.shutdown()
+
+    def weight_info(self) -> dict:
+        return self.weight_updater.weight_info()
+
+    def weight_checker(self, baseline: dict | None = None) -> dict:
+        return self.weight_updater.weight_checker(baseline)
+
+    # ---- sleep / wake-up: engine/worker/sleep.py frees and restores the memory ----
+
+    @property
+    def sleeper(self):
+        sleeper = self.__dict__.get("_sleeper")
+        if sleeper is None:
+            from engine.worker.sleep import WorkerSleeper
+
+            sleeper = self._sleeper = WorkerSleeper(self)
+        return sleeper
+
+    def sleep(self, level: int) -> None:
+        self.sleeper.sleep(level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.sleeper.wake_up(tags)
+
+    def synchronize(self) -> None:
+        """Waits for every queued device operation (a no-op on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -26,6 +26,7 @@ from rollout.server.errors import (
     add_exception_handlers,
     error_response,
 )
+from rollout.server.rl_routes import fault_tolerance_router, rl_router
 from rollout.server.streams import first_outputs, merge_streams, run_until_disconnect
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ def _completion_choices(state: ServerState, outputs: list[RequestOutput], n: int
                     stop_reason=c.stop_reason,
                     prompt_token_ids=list(out.prompt_token_ids) if return_token_ids else None,
                     token_ids=list(c.token_ids) if return_token_ids else None,
+                    weight_versions=list(c.weight_versions) if return_token_ids else None,
                     prompt_logprobs=F.prompt_logprobs_json(out.prompt_logprobs),
                 )
             )
@@ -121,6 +123,7 @@ async def _stream_completions(
                             list(out.prompt_token_ids) if body.return_token_ids and first_of_prompt else None
                         ),
                         token_ids=list(c.token_ids) if body.return_token_ids else None,
+                        weight_versions=list(c.weight_versions) if body.return_token_ids else None,
                         # DELTA outputs carry the prompt logprobs once, in the first output.
                         prompt_logprobs=F.prompt_logprobs_json(out.prompt_logprobs),
                     )
@@ -166,6 +169,7 @@ async def _stream_chat(
                         finish_reason=F.finish_reason(c.finish_reason),
                         stop_reason=c.stop_reason,
                         token_ids=list(c.token_ids) if body.return_token_ids else None,
+                        weight_versions=list(c.weight_versions) if body.return_token_ids else None,
                     )
                 )
             if choices:
@@ -226,7 +230,13 @@ def build_app(engine, server_config: ServerConfig, model_name: str | None = None
     app.state.server = state
     add_exception_handlers(app)
     app.include_router(_open_routes(state))
-    app.include_router(_api_routes(state), dependencies=[Depends(_auth_dependency(server_config.api_key))])
+    auth = [Depends(_auth_dependency(server_config.api_key))]
+    app.include_router(_api_routes(state), dependencies=auth)
+    # Control routes exist only when asked for (DESIGN.md: RL and weight routes are off by default).
+    if server_config.enable_rl_routes:
+        app.include_router(rl_router(engine), dependencies=auth)
+    if engine.config.fault_tolerance.enable_fault_tolerance:
+        app.include_router(fault_tolerance_router(engine), dependencies=auth)
     return app
 
 
@@ -317,6 +327,7 @@ def _api_routes(state: ServerState) -> APIRouter:
                 finish_reason=F.finish_reason(c.finish_reason),
                 stop_reason=c.stop_reason,
                 token_ids=list(c.token_ids) if body.return_token_ids else None,
+                weight_versions=list(c.weight_versions) if body.return_token_ids else None,
             )
             for c in sorted(out.outputs, key=lambda c: c.index)
         ]

@@ -26,6 +26,8 @@ class ServerConfig:
     """Seconds an idle keep-alive connection stays open."""
     shutdown_grace_s: float = 5.0
     """Seconds in-flight requests get to finish after SIGINT/SIGTERM; then the engine stops and they end with an error."""
+    enable_rl_routes: bool = False
+    """Serve the RL control routes (/pause, /resume, /sleep, /wake_up, /abort_requests, weight updates...); they change what everyone gets, so keep them behind --api-key or a private network."""
 
     def __post_init__(self) -> None:
         if not self.host:

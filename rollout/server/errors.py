@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.exceptions import AdmissionError, EngineDeadError
+from engine.exceptions import AdmissionError, EngineDeadError, EngineNotReadyError
 from rollout.server import protocol as P
 from rollout.server.streams import ClientDisconnected
 
@@ -51,10 +51,10 @@ def _param_of(message: str) -> str | None:
 
 
 def _validation_error(errors: list[dict]) -> JSONResponse:
-    """400 for pydantic errors, naming the first offending field (its body path without "body")."""
+    """400 for pydantic errors, naming the first offending field (its path without "body"/"query")."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     kind = first.get("type")
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    loc = _body_loc(first)
     if kind == "json_invalid":
         return error_response(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}")
     if not loc:  # the body as a whole
@@ -75,7 +75,7 @@ def _validation_error(errors: list[dict]) -> JSONResponse:
 
 
 def _body_loc(error: dict) -> list[str]:
-    return [str(x) for x in error.get("loc", ()) if x != "body"]
+    return [str(x) for x in error.get("loc", ()) if x not in ("body", "query")]
 
 
 def add_exception_handlers(app: FastAPI) -> None:
@@ -104,6 +104,13 @@ def add_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(AdmissionError)
     async def _admission(request: Request, exc: AdmissionError) -> JSONResponse:
         return error_response(503, f"server overloaded ({exc.reason}): {exc}; retry later")
+
+    @app.exception_handler(EngineNotReadyError)
+    async def _not_ready(request: Request, exc: EngineNotReadyError) -> JSONResponse:
+        # Paused or asleep: retryable once the trainer resumes / wakes the engine.
+        response = error_response(503, f"{exc}; retry later")
+        response.headers["Retry-After"] = "1"
+        return response
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:

@@ -286,6 +286,8 @@ class CompletionChoice(ResponseModel):
     # return_token_ids (vLLM's shape: per choice, since a batch has several prompts).
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    # With return_token_ids: (weight_version, start, end) spans over token_ids (end exclusive).
+    weight_versions: list[tuple[str, int, int]] | None = None
     prompt_logprobs: PromptLogprobsJSON | None = None
 
 
@@ -324,6 +326,8 @@ class ChatChoice(ResponseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
+    # With return_token_ids: (weight_version, start, end) spans over token_ids (end exclusive).
+    weight_versions: list[tuple[str, int, int]] | None = None
 
 
 class ChatCompletionResponse(ResponseModel):
@@ -349,6 +353,8 @@ class ChatStreamChoice(ResponseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
+    # With return_token_ids: (weight_version, start, end) spans over token_ids (end exclusive).
+    weight_versions: list[tuple[str, int, int]] | None = None
 
 
 class ChatCompletionChunk(ResponseModel):

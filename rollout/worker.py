@@ -1,0 +1,286 @@
+"""RolloutWorker: the Python face of one engine for trainer scripts - generate, pause/resume, sleep, weights.
+
+    with RolloutWorker(model=DIR, max_model_len=1024) as worker:
+        outputs = worker.generate(prompts, SamplingParams(max_tokens=64))
+        worker.pause("wait")
+        worker.init_weight_transfer_engine({"backend": "local"})
+        ...
+        worker.resume()
+
+It is an AsyncLLM (the engine in this process with multiprocess=False, or in its own process
+with multiprocess=True: same API) driven by a private event loop in a background thread, so
+plain scripts call the sync methods and asyncio code awaits `agenerate` / iterates `astream`
+from its own loop. The control methods have the names of the HTTP routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from typing import Any, AsyncIterator, Coroutine, Sequence, TypeVar
+
+from tqdm.auto import tqdm
+
+from engine.async_llm import AsyncLLM
+from engine.outputs import RequestOutput
+from engine.processor import PromptType
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+T = TypeVar("T")
+
+_END = object()  # astream: the request finished
+
+
+class _Failed:
+    """astream: the request ended with this exception."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class RolloutWorker:
+    """`RolloutWorker(model=DIR, *, multiprocess=False, **engine_args)`; engine_args as for LLM."""
+
+    def __init__(self, model: str, *, multiprocess: bool = False, model_name: str | None = None, **engine_args: Any) -> None:
+        self._ids = itertools.count()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-worker-loop", daemon=True)
+        self._thread.start()
+        self._closed = False
+        try:
+            self.engine = AsyncLLM.from_engine_args(
+                multiprocess=multiprocess, model_name=model_name, model=model, **engine_args
+            )
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
+
+    # ---- plumbing ----------------------------------------------------------------------------
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Runs `coro` on the worker's loop and waits for it (from any thread but that loop's)."""
+        if self._closed:
+            coro.close()
+            raise RuntimeError("the RolloutWorker is shut down")
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("a sync RolloutWorker method was called from its own event loop; await the async form")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Awaits `coro` on the worker's loop from the caller's loop (cancelling it cancels the request)."""
+        if self._closed:
+            coro.close()
+            raise RuntimeError("the RolloutWorker is shut down")
+        if asyncio.get_running_loop() is self._loop:
+            return await coro
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    def _next_id(self) -> str:
+        return f"rw-{next(self._ids)}"
+
+    # ---- generation --------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion (batched together); outputs come in the order of `prompts`.
+
+        A bad prompt raises ValueError and aborts the others of the call.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"sampling_params: {len(params_list)} given for {len(prompts)} prompts")
+        return self._run(self._generate_all(prompts, params_list, use_tqdm))
+
+    async def _generate_all(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        bar = tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
+        tasks = [asyncio.ensure_future(self._final(p, sp, self._next_id())) for p, sp in zip(prompts, params_list)]
+        for task in tasks:
+            task.add_done_callback(lambda _: bar.update(1))
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:  # a cancelled generate() aborts its request in the engine
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        finally:
+            bar.close()
+
+    async def _final(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str) -> RequestOutput:
+        params = sampling_params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        async for out in self.engine.generate(prompt, params, request_id):
+            final = out
+        assert final is not None and final.finished
+        return final
+
+    async def agenerate(
+        self, prompt: PromptType, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> RequestOutput:
+        """The finished output of one request; await it from any event loop. Cancelling aborts it."""
+        return await self._on_loop(self._final(prompt, sampling_params or SamplingParams(), request_id or self._next_id()))
+
+    async def astream(
+        self, prompt: PromptType, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams one request's outputs (per sampling_params.output_kind) into the caller's loop.
+
+        Leaving the loop early aborts the request.
+        """
+        if self._closed:
+            raise RuntimeError("the RolloutWorker is shut down")
+        params = sampling_params or SamplingParams()
+        request_id = request_id or self._next_id()
+        caller = asyncio.get_running_loop()
+        items: asyncio.Queue = asyncio.Queue()
+
+        def put(item: Any) -> None:
+            try:
+                caller.call_soon_threadsafe(items.put_nowait, item)
+            except RuntimeError:  # the caller's loop is gone: nobody is listening
+                pass
+
+        async def pump() -> None:
+            try:
+                async for out in self.engine.generate(prompt, params, request_id):
+                    put(out)
+            except BaseException as e:
+                put(_Failed(e))
+                raise
+            put(_END)
+
+        if caller is self._loop:
+            async for out in self.engine.generate(prompt, params, request_id):
+                yield out
+            return
+        future = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while True:
+                item = await items.get()
+                if item is _END:
+                    return
+                if isinstance(item, _Failed):
+                    raise item.error
+                yield item
+        finally:
+            future.cancel()  # a no-op once finished; else the request is aborted
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Aborts running requests by id (their outputs end with finish_reason "abort"); returns those found."""
+        return self._run(self.engine.abort_requests(list(request_ids)))
+
+    # ---- controls (the names of the HTTP routes) ---------------------------------------------
+
+    def pause(self, mode: str = "abort") -> None:
+        """"abort" ends in-flight requests, "wait" returns once they finish, "keep" freezes them."""
+        self._run(self.engine.pause(mode))
+
+    def resume(self) -> None:
+        self._run(self.engine.resume())
+
+    def is_paused(self) -> bool:
+        return self._run(self.engine.is_paused())
+
+    def sleep(self, level: int = 1) -> None:
+        self._run(self.engine.sleep(level))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._run(self.engine.wake_up(tags))
+
+    def is_sleeping(self) -> bool:
+        return self._run(self.engine.is_sleeping())
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._run(self.engine.init_weight_transfer_engine(init_info))
+
+    def start_weight_update(self) -> None:
+        self._run(self.engine.start_weight_update())
+
+    def update_weights(self, update_info: dict) -> None:
+        self._run(self.engine.update_weights(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._run(self.engine.finish_weight_update(weight_version))
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._run(self.engine.shutdown_weight_transfer_engine())
+
+    def update_weight_version(self, new_version: str) -> None:
+        self._run(self.engine.update_weight_version(new_version))
+
+    def get_weight_version(self) -> str | None:
+        return self._run(self.engine.get_weight_version())
+
+    def weight_info(self) -> dict:
+        return self._run(self.engine.weight_info())
+
+    def weight_checker(self, baseline: dict | None = None) -> dict:
+        return self._run(self.engine.weight_checker(baseline))
+
+    def reset_prefix_cache(self) -> bool:
+        return self._run(self.engine.reset_prefix_cache())
+
+    def get_world_size(self) -> int:
+        return self._run(self.engine.get_world_size())
+
+    def get_metrics_snapshot(self) -> dict:
+        return self.engine.get_metrics_snapshot()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stops the engine (waiting callers get EngineDeadError) and the worker's loop. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+
+        async def stop_engine() -> None:
+            self.engine.shutdown()  # on the loop's thread: the async client's sockets live there
+
+        try:
+            asyncio.run_coroutine_threadsafe(stop_engine(), self._loop).result(timeout=60)
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        async def cancel_tasks() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_tasks(), self._loop).result(timeout=10)
+        except Exception:
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def __enter__(self) -> "RolloutWorker":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            try:
+                self.shutdown()
+            except Exception:
+                pass

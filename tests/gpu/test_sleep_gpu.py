@@ -1,0 +1,75 @@
+"""GPU tier: sleep(1) and sleep(2) give back >= 95% of weights + KV cache memory, and wake-up serves the same greedy tokens."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from engine.engine_args import create_engine_config
+from engine.engine_core import EngineCore
+from engine.sampling_params import SamplingParams
+from engine.wire import EngineCoreRequest
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [[5, 17, 42, 8, 99, 3] * 4, [7, 7, 120, 64, 1, 2, 33, 90, 11], [150, 2, 9]]
+
+
+@pytest.fixture
+def core(tiny_checkpoint):
+    config = create_engine_config(
+        model=tiny_checkpoint("llama"), max_model_len=256, device="cuda", kv_cache_memory_bytes=1 << 28, max_num_seqs=8
+    )
+    core = EngineCore(config)
+    yield core
+    core.shutdown()
+    del core
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _greedy(core: EngineCore, prefix: str) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        core.add_request(EngineCoreRequest(f"{prefix}{i}", prompt, params, eos_token_id=None))
+    tokens: dict[str, list[int]] = {}
+    while core.has_unfinished_requests():
+        for out in core.step().outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    core.reset_prefix_cache()
+    return [tokens[f"{prefix}{i}"] for i in range(len(PROMPTS))]
+
+
+def _weights_and_kv_bytes(core: EngineCore) -> int:
+    worker = core.executor.worker
+    weights = sum(p.numel() * p.element_size() for p in worker.model.parameters())
+    kv = sum(layer.kv_cache.numel() * layer.kv_cache.element_size() for layer in worker.attn_layers)
+    return weights + kv
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_frees_device_memory_and_wake_up_serves_the_same_tokens(core, level):
+    before = _greedy(core, "before")
+    graphs_before = core.executor.worker.model_runner.cuda_graphs is not None
+    expected_drop = _weights_and_kv_bytes(core)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+
+    core.sleep(level)
+    gc.collect()
+    dropped = allocated - torch.cuda.memory_allocated()
+    print(f"sleep({level}): allocated {allocated / 2**20:.1f} MiB, freed {dropped / 2**20:.1f} MiB "
+          f"of weights+KV {expected_drop / 2**20:.1f} MiB ({100 * dropped / expected_drop:.1f}%)")
+    assert dropped >= 0.95 * expected_drop, f"freed {dropped} of {expected_drop} bytes"
+
+    if level == 2:  # the RL order: weights, (weight update), then the KV cache
+        core.wake_up(["weights"])
+        assert core.is_sleeping()
+        core.wake_up(["kv_cache"])
+    else:
+        core.wake_up()
+    assert not core.is_sleeping()
+    assert (core.executor.worker.model_runner.cuda_graphs is not None) == graphs_before  # re-captured
+    assert _greedy(core, "after") == before

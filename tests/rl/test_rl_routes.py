@@ -1,0 +1,342 @@
+"""The RL control routes on a real `rollout launch --enable-rl-routes` process, driven with httpx."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from engine.tiny_models import make_tiny_checkpoint
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "sk-rl"
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(launch_server, tiny_checkpoint):
+    return launch_server(tiny_checkpoint("llama"), "--api-key", API_KEY, "--served-model-name", MODEL,
+                         "--enable-rl-routes")
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as c:
+        yield c
+
+
+def _assert_error(response: httpx.Response, status: int, *words: str) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    assert error["type"] == {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                             503: "service_unavailable"}[status]
+    for word in words:
+        assert word in error["message"], error
+    return error
+
+
+def _state(http) -> tuple[bool, bool]:
+    return http.get("/is_paused").json()["is_paused"], http.get("/is_sleeping").json()["is_sleeping"]
+
+
+def _greedy(http, prompt, max_tokens=8) -> dict:
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                                            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+class _Stream:
+    """A streamed completion read in a thread: `started` is set on its first token chunk."""
+
+    def __init__(self, http, prompt: str, max_tokens: int) -> None:
+        self.chunks: list[dict] = []
+        self.started = threading.Event()
+        self.error: BaseException | None = None
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "stream": True, "return_token_ids": True}
+        self.thread = threading.Thread(target=self._run, args=(http, body), daemon=True)
+        self.thread.start()
+
+    def _run(self, http, body) -> None:
+        try:
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        self.chunks.append(json.loads(line[6:]))
+                        self.started.set()
+        except BaseException as e:
+            self.error = e
+        finally:
+            self.started.set()
+
+    def join(self) -> list[dict]:
+        self.thread.join(120)
+        assert not self.thread.is_alive(), "the stream did not end"
+        assert self.error is None, self.error
+        return self.chunks
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for c in self.chunks for t in c["choices"][0].get("token_ids") or []]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.chunks[-1]["choices"][0]["finish_reason"]
+
+
+# ---------------------------------------------------------------------------- off, auth, simple routes
+
+
+def test_rl_routes_are_404_unless_enabled(launch_server, tiny_checkpoint):
+    plain = launch_server(tiny_checkpoint("llama"))
+    with httpx.Client(base_url=plain.url, timeout=60) as c:
+        for method, path in [("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/sleep"),
+                             ("POST", "/wake_up"), ("GET", "/is_sleeping"), ("POST", "/abort_requests"),
+                             ("POST", "/update_weights"), ("GET", "/weight_info"), ("POST", "/weight_checker"),
+                             ("GET", "/get_world_size"), ("POST", "/init_weight_transfer_engine"),
+                             ("GET", "/fault_tolerance/status")]:
+            _assert_error(c.request(method, path), 404)
+        assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    plain.stop()
+
+
+def test_fault_tolerance_routes_are_mounted_by_their_own_flag(launch_server, tiny_checkpoint):
+    ft = launch_server(tiny_checkpoint("llama"), "--enable-fault-tolerance", "--api-key", API_KEY)
+    with httpx.Client(base_url=ft.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+        assert c.get("/fault_tolerance/status").json() == {"status": "healthy", "enabled": True}
+        _assert_error(c.post("/fault_tolerance/apply", json={"instruction": "reboot"}), 400, "reboot")
+        _assert_error(c.post("/fault_tolerance/apply", json={}), 400, "instruction")
+        r = c.post("/fault_tolerance/apply", json={"instruction": "retry"})  # healthy: nothing to do
+        assert r.status_code == 202 and r.json()["status"] == "healthy"
+        _assert_error(c.post("/pause"), 404)  # the RL routes have their own flag
+        _assert_error(c.get("/fault_tolerance/status", headers={"Authorization": "Bearer nope"}), 401)
+    ft.stop()
+
+
+def test_api_key_is_enforced_and_nothing_changes(server, http):
+    with httpx.Client(base_url=server.url, timeout=60) as anonymous:
+        _assert_error(anonymous.post("/pause"), 401)
+        _assert_error(anonymous.post("/sleep"), 401)
+        _assert_error(anonymous.get("/is_paused"), 401)
+        _assert_error(anonymous.post("/update_weights", json={"update_info": {}}), 401)
+    _assert_error(http.post("/pause", headers={"Authorization": "Bearer wrong"}), 401)
+    assert _state(http) == (False, False)
+
+
+def test_world_size_prefix_cache_and_abort_of_unknown_ids(http):
+    assert http.get("/get_world_size").json() == {"world_size": 1}
+    r = http.post("/reset_prefix_cache")
+    assert r.status_code == 200 and isinstance(r.json()["reset"], bool)
+    r = http.post("/abort_requests", json={"request_ids": ["cmpl-nope"]})
+    assert r.status_code == 200 and r.json() == {"aborted": []}
+
+
+# ---------------------------------------------------------------------------- bad input: 400, no state change
+
+
+def test_bad_pause_mode_is_400_and_nothing_changes(http):
+    error = _assert_error(http.post("/pause", params={"mode": "later"}), 400, "mode", "later")
+    assert error["param"] == "mode"
+    assert _state(http) == (False, False)
+
+
+def test_bad_sleep_level_is_400_and_nothing_changes(http):
+    _assert_error(http.post("/sleep", params={"level": 3}), 400, "level", "3")
+    assert _assert_error(http.post("/sleep", params={"level": "deep"}), 400, "level")["param"] == "level"
+    assert _state(http) == (False, False)
+
+
+def test_unknown_wake_up_tag_is_400_and_the_engine_stays_asleep(http):
+    assert http.post("/sleep", params={"level": 1}).status_code == 200
+    try:
+        _assert_error(http.post("/wake_up", params={"tags": ["weights", "gpu"]}), 400, "gpu")
+        assert _state(http) == (False, True)
+    finally:
+        assert http.post("/wake_up").status_code == 200
+    assert _state(http) == (False, False)
+
+
+@pytest.mark.parametrize(
+    "path,body,words",
+    [
+        ("/abort_requests", {}, ["request_ids"]),
+        ("/abort_requests", {"request_ids": "cmpl-1"}, ["request_ids"]),
+        ("/init_weight_transfer_engine", {}, ["init_info"]),
+        ("/update_weights", {}, ["update_info"]),
+        ("/update_weights", {"update_info": {}, "extra": 1}, ["extra", "unknown field"]),
+        ("/update_weight_version", {}, ["new_version"]),
+        ("/finish_weight_update", {"version": "v1"}, ["version", "unknown field"]),
+        ("/weight_checker", {"baseline": {}, "strict": True}, ["strict", "unknown field"]),
+        ("/init_weight_transfer_engine", {"init_info": {"backend": "pigeon"}}, ["pigeon"]),
+    ],
+)
+def test_missing_or_unknown_body_fields_are_400_naming_the_field(http, path, body, words):
+    before = http.get("/weight_info").json()
+    _assert_error(http.post(path, json=body), 400, *words)
+    assert http.get("/weight_info").json() == before
+    assert _state(http) == (False, False)
+
+
+def test_non_json_bodies_are_refused(http):
+    _assert_error(http.post("/update_weights", content=b"\x80\x04\x95pickle", headers={"Content-Type": "application/octet-stream"}), 400)
+    _assert_error(http.post("/update_weights", content=b"not json", headers={"Content-Type": "application/json"}), 400)
+
+
+# ---------------------------------------------------------------------------- pause and sleep
+
+
+def test_pause_abort_ends_an_in_flight_request_and_refuses_new_ones(http):
+    stream = _Stream(http, "Once upon a time", max_tokens=200)
+    assert stream.started.wait(60)
+    r = http.post("/pause", params={"mode": "abort"})
+    assert r.status_code == 200, r.text
+    try:
+        stream.join()
+        assert stream.finish_reason == "abort" and len(stream.token_ids) < 200
+        assert _state(http) == (True, False)
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        _assert_error(r, 503, "paused")
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        _assert_error(r, 503)
+    finally:
+        assert http.post("/resume").status_code == 200
+    assert _state(http) == (False, False)
+    assert _greedy(http, "hi", 2)["finish_reason"] == "length"
+
+
+def test_pause_wait_returns_after_in_flight_requests_finish(http):
+    stream = _Stream(http, "Once upon a time", max_tokens=120)
+    assert stream.started.wait(60)
+    r = http.post("/pause", params={"mode": "wait"})
+    try:
+        assert r.status_code == 200, r.text
+        stream.join()
+        assert stream.finish_reason == "length" and len(stream.token_ids) == 120
+        assert http.get("/is_paused").json() == {"is_paused": True}
+        _assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}), 503)
+    finally:
+        http.post("/resume")
+
+
+def test_pause_keep_then_resume_continues_the_same_request(http):
+    expected = _greedy(http, "The quick brown fox", 120)["token_ids"]
+    stream = _Stream(http, "The quick brown fox", max_tokens=120)
+    assert stream.started.wait(60)
+    assert http.post("/pause", params={"mode": "keep"}).status_code == 200
+    assert http.get("/is_paused").json() == {"is_paused": True}
+    assert http.post("/resume").status_code == 200
+    stream.join()
+    assert stream.finish_reason == "length"
+    assert stream.token_ids == expected
+
+
+def test_sleep_refuses_requests_with_503_and_wake_up_restores_outputs(http):
+    before = _greedy(http, "A rollout is")["token_ids"]
+    assert http.post("/sleep").status_code == 200  # level 1 by default
+    try:
+        assert _state(http) == (False, True)
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "A rollout is", "max_tokens": 2})
+        _assert_error(r, 503)
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True})
+        _assert_error(r, 503)
+    finally:
+        assert http.post("/wake_up").status_code == 200
+    assert _state(http) == (False, False)
+    assert _greedy(http, "A rollout is")["token_ids"] == before
+    # Waking in parts: weights first, then the rest.
+    assert http.post("/sleep", params={"level": 1}).status_code == 200
+    assert http.post("/wake_up", params={"tags": ["weights"]}).status_code == 200
+    assert http.post("/wake_up", params={"tags": ["kv_cache", "scheduling"]}).json() == {"is_sleeping": False}
+    assert _greedy(http, "A rollout is")["token_ids"] == before
+
+
+def test_abort_requests_ends_a_running_stream(http):
+    stream = _Stream(http, "Once upon a time", max_tokens=200)
+    assert stream.started.wait(60)
+    req_id = stream.chunks[0]["id"]
+    assert http.post("/abort_requests", json={"request_ids": [req_id]}).json() == {"aborted": [req_id]}
+    stream.join()
+    assert stream.finish_reason == "abort"
+
+
+# ---------------------------------------------------------------------------- weights
+
+
+def _hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def _update(http, weights: dict, version: str) -> None:
+    from weight_transfer.local import make_update_info
+
+    for path, body in [
+        ("/pause?mode=wait", None),
+        ("/init_weight_transfer_engine", {"init_info": {"backend": "local"}}),
+        ("/start_weight_update", None),
+        ("/update_weights", {"update_info": make_update_info(weights.items(), encoding="b64")}),
+        ("/finish_weight_update", {"weight_version": version}),
+        ("/resume", None),
+    ]:
+        r = http.post(path, json=body) if body is not None else http.post(path)
+        assert r.status_code == 200, (path, r.text)
+
+
+def test_weight_update_over_http_matches_hf_with_the_new_weights(http, tiny_checkpoint, tmp_path_factory):
+    from weight_transfer import hf_state_checksums
+    from weight_transfer.local import make_update_info
+
+    original_dir = tiny_checkpoint("llama")
+    other_dir = make_tiny_checkpoint(tmp_path_factory.mktemp("seed1"), "llama", seed=1)
+    original = load_file(os.path.join(original_dir, "model.safetensors"))
+    new = load_file(os.path.join(other_dir, "model.safetensors"))
+    prompt_ids = http.post("/tokenize", json={"prompt": "The quick brown fox"}).json()["tokens"]
+    before = _greedy(http, prompt_ids, 12)["token_ids"]
+    assert before == _hf_greedy(original_dir, prompt_ids, 12)
+
+    baseline_new = hf_state_checksums(new)
+    check = http.post("/weight_checker", json={"baseline": baseline_new}).json()
+    assert check["match"] is False and check["mismatches"]
+
+    _update(http, new, "v1")
+    info = http.get("/weight_info").json()
+    assert info["weight_version"] == "v1"
+    assert http.post("/weight_checker", json={"baseline": baseline_new}).json()["match"] is True
+    assert "checksums" in http.post("/weight_checker").json()
+    after = _greedy(http, prompt_ids, 12)
+    assert after["token_ids"] == _hf_greedy(other_dir, prompt_ids, 12) != before
+    assert after["weight_versions"] == [["v1", 0, 12]]
+
+    # A bad update (unknown name, wrong shape) is a 400 and the new weights keep serving.
+    name, tensor = next(iter(new.items()))
+    for bad in ({"no.such.weight": tensor}, {name: torch.zeros(3, 3)}):
+        assert http.post("/start_weight_update").status_code == 200
+        r = http.post("/update_weights", json={"update_info": make_update_info(bad.items(), encoding="b64")})
+        _assert_error(r, 400)
+        assert http.post("/finish_weight_update", json={}).status_code == 200
+    assert http.post("/weight_checker", json={"baseline": baseline_new}).json()["match"] is True
+    assert _greedy(http, prompt_ids, 12)["token_ids"] == after["token_ids"]
+
+    r = http.post("/update_weight_version", json={"new_version": "v1.1"})
+    assert r.status_code == 200 and r.json() == {"weight_version": "v1.1"}
+    assert http.get("/weight_info").json()["weight_version"] == "v1.1"
+
+    _update(http, original, "v2")  # back to what the other tests expect
+    assert http.post("/weight_checker", json={"baseline": hf_state_checksums(original)}).json()["match"] is True
+    restored = _greedy(http, prompt_ids, 12)
+    assert restored["token_ids"] == before and restored["weight_versions"] == [["v2", 0, 12]]

@@ -1,0 +1,145 @@
+"""The local backend's update_info formats, the backend registry and the checksum helpers (no engine)."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+import torch
+
+from weight_transfer.base import WeightTransferEngine, get_engine_backend, register_engine_backend
+from weight_transfer.checksums import compare_checksums, hf_state_checksums, tensor_checksum
+from weight_transfer.local import LocalWeightTransferEngine, encode_weights_b64, make_update_info
+
+
+@pytest.fixture
+def backend():
+    engine = LocalWeightTransferEngine(torch.device("cpu"))
+    engine.init_transfer(engine.parse_init_info({"backend": "local"}))
+    return engine
+
+
+def _received(backend, update_info) -> dict[str, torch.Tensor]:
+    info = backend.parse_update_info(update_info)
+    return dict(backend.receive_weights(info))
+
+
+def test_b64_round_trip_keeps_dtype_shape_and_bits(backend):
+    weights = {
+        "a.weight": torch.randn(3, 5, dtype=torch.bfloat16),
+        "b.weight": torch.randn(4, dtype=torch.float16),
+        "c.weight": torch.randn(2, 3, dtype=torch.float32).t(),  # not contiguous
+        "empty": torch.zeros(0, 3),
+    }
+    update_info = make_update_info(weights.items(), "b64")
+    assert all(isinstance(e["data_b64"], str) for e in update_info["weights"])  # JSON-safe
+    got = _received(backend, update_info)
+    for name, tensor in weights.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape
+        assert torch.equal(got[name], tensor)
+
+
+def test_tensor_and_numpy_forms(backend):
+    arr = np.arange(6, dtype=np.float32).reshape(2, 3)
+    arr.flags.writeable = False  # as when it arrives in a ZMQ frame
+    got = _received(backend, {"weights": {"x": arr, "y": torch.ones(2)}})
+    assert got["x"].dtype == torch.float32 and got["x"].tolist() == arr.tolist()
+    assert torch.equal(got["y"], torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    "update_info,message",
+    [
+        ({}, r"update_info.weights: missing"),
+        ({"weights": {}, "extra": 1}, r"unknown field\(s\) \['extra'\]"),
+        ({"weights": "nope"}, "update_info.weights: expected"),
+        ({"weights": {"x": [1.0, 2.0]}}, r"update_info.weights\['x'\]: expected a torch.Tensor or numpy.ndarray"),
+        ({"weights": [{"name": "x", "dtype": "float32", "shape": [2]}]}, r"missing field\(s\) \['data_b64'\]"),
+        ({"weights": [{"name": "x", "dtype": "floaty", "shape": [2], "data_b64": ""}]}, "'floaty' is not a torch dtype"),
+        ({"weights": [{"name": "x", "dtype": "float32", "shape": [-1], "data_b64": ""}]}, "shape: expected a list"),
+        ({"weights": [{"name": "x", "dtype": "float32", "shape": [2], "data_b64": "@@@"}]}, "not valid base64"),
+        (
+            {"weights": [{"name": "x", "dtype": "float32", "shape": [3], "data_b64": base64.b64encode(b"\0" * 8).decode()}]},
+            r"8 bytes, but shape \[3\] of float32 needs 12",
+        ),
+        ({"weights": [{"name": "", "dtype": "float32", "shape": [0], "data_b64": ""}]}, "non-empty strings"),
+    ],
+)
+def test_bad_update_info_names_the_field(backend, update_info, message):
+    with pytest.raises(ValueError, match=message):
+        backend.parse_update_info(update_info)
+
+
+def test_registry_is_lazy_and_lists_known_backends(monkeypatch):
+    import weight_transfer.base
+
+    monkeypatch.setattr(weight_transfer.base, "_ENGINE_BACKENDS", dict(weight_transfer.base._ENGINE_BACKENDS))
+    assert get_engine_backend("local") is LocalWeightTransferEngine
+    with pytest.raises(ValueError, match=r"unknown weight transfer backend 'zzz'; known: \[.*'local'.*\]"):
+        get_engine_backend("zzz")
+    with pytest.raises(ValueError, match="package.module:ClassName"):
+        register_engine_backend("bad", "no_colon_here")
+
+    class Custom(LocalWeightTransferEngine):
+        pass
+
+    register_engine_backend("custom-test", Custom)
+    assert get_engine_backend("custom-test") is Custom
+    register_engine_backend("custom-lazy-test", "weight_transfer.local:LocalWeightTransferEngine")
+    assert issubclass(get_engine_backend("custom-lazy-test"), WeightTransferEngine)
+    register_engine_backend("custom-wrong-test", "weight_transfer.local:make_update_info")
+    with pytest.raises(TypeError, match="not a WeightTransferEngine"):
+        get_engine_backend("custom-wrong-test")
+
+
+def test_checksums_are_exact_and_layout_independent():
+    t = torch.randn(4, 6)
+    assert tensor_checksum(t.t()) == tensor_checksum(t.t().contiguous())
+    assert tensor_checksum(t) != tensor_checksum(t.reshape(6, 4))  # the shape is part of it
+    bumped = t.clone()
+    bumped[2, 3] = torch.nextafter(bumped[2, 3], torch.tensor(1e9))
+    assert tensor_checksum(bumped) != tensor_checksum(t)
+    # A float32 trainer computes a bfloat16 engine's checksums by casting first.
+    assert tensor_checksum(t, dtype=torch.bfloat16) == tensor_checksum(t.to(torch.bfloat16))
+    sums = hf_state_checksums({"w": t, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(2)})
+    assert list(sums) == ["w"]
+
+
+def test_compare_checksums():
+    engine = {"a": "1", "b": "2", "lm_head.weight": "1"}
+    assert compare_checksums(engine, {"a": "1", "b": "2"}, optional=["lm_head.weight"])["match"]
+    result = compare_checksums(engine, {"a": "1", "b": "3", "c": "4"})
+    assert result == {"match": False, "mismatches": ["b"], "missing": ["lm_head.weight"], "unexpected": ["c"]}
+    with pytest.raises(ValueError, match="baseline"):
+        compare_checksums(engine, ["a"])
+
+
+def test_encode_weights_b64_is_little_endian_raw_bytes():
+    [entry] = encode_weights_b64([("w", torch.tensor([1.0, -2.0]))])
+    assert base64.b64decode(entry["data_b64"]) == np.array([1.0, -2.0], dtype="<f4").tobytes()
+    assert entry["dtype"] == "float32" and entry["shape"] == [2]
+
+
+def test_output_processor_spans_per_output_kind():
+    from engine.output_processor import OutputProcessor
+    from engine.sampling_params import RequestOutputKind, SamplingParams
+    from engine.wire import EngineCoreOutput, EngineCoreRequest
+
+    proc = OutputProcessor(None)
+    for req_id, kind in [("c", RequestOutputKind.CUMULATIVE), ("d", RequestOutputKind.DELTA)]:
+        params = SamplingParams(max_tokens=9, detokenize=False, output_kind=kind)
+        proc.add_request(EngineCoreRequest(req_id, [1, 2], params, eos_token_id=None), None)
+
+    def step(tokens, version):
+        outs = proc.process_outputs([EngineCoreOutput(r, tokens) for r in ("c", "d")], version)
+        return {o.request_id: o.outputs[0] for o in outs.request_outputs}
+
+    assert step([5, 6], None)["d"].weight_versions == [("default", 0, 2)]  # no version: "default"
+    assert step([7], "default")["c"].weight_versions == [("default", 0, 3)]  # same version: one span
+    out = step([8, 9, 10], "v2")
+    assert out["c"].weight_versions == [("default", 0, 3), ("v2", 3, 6)]
+    assert out["d"].weight_versions == [("v2", 0, 3)]  # a delta's spans index its own token_ids
+    out = step([11], "v3")
+    assert out["c"].weight_versions == [("default", 0, 3), ("v2", 3, 6), ("v3", 6, 7)]
+    assert out["d"].token_ids == [11] and out["d"].weight_versions == [("v3", 0, 1)]

@@ -1,0 +1,149 @@
+"""The "local" backend: update_info carries the HF-named tensors themselves (in-process, over ZMQ, or base64 over HTTP).
+
+init_info:   {"backend": "local"}
+update_info: {"weights": {hf_name: torch.Tensor | numpy.ndarray, ...}}
+             CPU tensors and numpy arrays cross the EngineCore's ZMQ socket as zero-copy frames
+             (engine/serial_utils.py), so this form works in-process and over a real engine process.
+         or  {"weights": [{"name": str, "dtype": "bfloat16", "shape": [int, ...], "data_b64": str}, ...]}
+             the JSON-safe form for HTTP: data_b64 is the base64 of the tensor's raw little-endian
+             bytes in row-major order. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import warnings
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import torch
+
+from weight_transfer.base import WeightTransferEngine, WeightUpdateInfo
+
+_B64_FIELDS = ("name", "dtype", "shape", "data_b64")
+
+
+class LocalWeightTransferEngine(WeightTransferEngine):
+    """Takes the tensors straight out of update_info; nothing to set up or tear down."""
+
+    def parse_init_info(self, init_info: dict) -> dict:
+        unknown = sorted(set(init_info) - {"backend"})
+        if unknown:
+            raise ValueError(f"init_info: unknown field(s) {unknown} for backend 'local'")
+        return dict(init_info)
+
+    def init_transfer(self, init_info: dict) -> None:
+        pass
+
+    def parse_update_info(self, update_info: dict) -> WeightUpdateInfo:
+        if not isinstance(update_info, Mapping):
+            raise ValueError(f"update_info: expected a dict, got {type(update_info).__name__}")
+        unknown = sorted(set(update_info) - {"weights"})
+        if unknown:
+            raise ValueError(f"update_info: unknown field(s) {unknown}; the local backend takes only 'weights'")
+        if "weights" not in update_info:
+            raise ValueError("update_info.weights: missing")
+        weights = update_info["weights"]
+        if isinstance(weights, Mapping):
+            pairs = [(name, _as_tensor(name, value)) for name, value in weights.items()]
+        elif isinstance(weights, (list, tuple)):
+            pairs = [_decode_b64_entry(i, entry) for i, entry in enumerate(weights)]
+        else:
+            raise ValueError(
+                "update_info.weights: expected {name: tensor} or a list of "
+                f"{{name, dtype, shape, data_b64}} entries, got {type(weights).__name__}"
+            )
+        for name, _ in pairs:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"update_info.weights: tensor names must be non-empty strings, got {name!r}")
+        return WeightUpdateInfo(
+            names=[n for n, _ in pairs],
+            dtypes=[t.dtype for _, t in pairs],
+            shapes=[tuple(t.shape) for _, t in pairs],
+            extra={"tensors": [t for _, t in pairs]},
+        )
+
+    def receive_weights(self, info: WeightUpdateInfo) -> Iterable[tuple[str, torch.Tensor]]:
+        return zip(info.names, info.extra["tensors"])
+
+
+def _as_tensor(name: str, value) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, np.ndarray):
+        try:
+            with warnings.catch_warnings():  # arrays received over ZMQ are read-only; we only read them
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.from_numpy(value)
+        except TypeError as e:
+            raise ValueError(f"update_info.weights[{name!r}]: numpy dtype {value.dtype} is not supported: {e}") from None
+    raise ValueError(
+        f"update_info.weights[{name!r}]: expected a torch.Tensor or numpy.ndarray, got {type(value).__name__}"
+    )
+
+
+def _torch_dtype(name: str, where: str) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{where}.dtype: {name!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
+    return dtype
+
+
+def _decode_b64_entry(index: int, entry) -> tuple[str, torch.Tensor]:
+    where = f"update_info.weights[{index}]"
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"{where}: expected a dict with fields {list(_B64_FIELDS)}, got {type(entry).__name__}")
+    missing = [f for f in _B64_FIELDS if f not in entry]
+    unknown = sorted(set(entry) - set(_B64_FIELDS))
+    if missing or unknown:
+        raise ValueError(f"{where}: missing field(s) {missing}, unknown field(s) {unknown}")
+    name = entry["name"]
+    where = f"update_info.weights[{index}] ({name!r})"
+    dtype = _torch_dtype(entry["dtype"], where)
+    shape = entry["shape"]
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ValueError(f"{where}.shape: expected a list of non-negative ints, got {shape!r}")
+    try:
+        raw = base64.b64decode(entry["data_b64"], validate=True)
+    except (binascii.Error, TypeError, ValueError) as e:
+        raise ValueError(f"{where}.data_b64: not valid base64: {e}") from None
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    expected = math.prod(shape) * itemsize
+    if len(raw) != expected:
+        raise ValueError(
+            f"{where}.data_b64: {len(raw)} bytes, but shape {list(shape)} of {entry['dtype']} needs {expected}"
+        )
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    return name, flat.view(dtype).reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------
+# Trainer side: building update_info for this backend.
+
+
+def encode_weights_b64(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[dict]:
+    """The JSON-safe update_info["weights"] list for (hf_name, tensor) pairs (tensors may live on any device)."""
+    entries = []
+    for name, tensor in named_tensors:
+        t = tensor.detach().contiguous().cpu()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        entries.append(
+            {
+                "name": name,
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "data_b64": base64.b64encode(raw).decode("ascii"),
+            }
+        )
+    return entries
+
+
+def make_update_info(named_tensors: Iterable[tuple[str, torch.Tensor]], encoding: str = "tensors") -> dict:
+    """update_info for the local backend: encoding "tensors" (CPU tensors, for in-process/ZMQ) or "b64" (HTTP)."""
+    if encoding == "tensors":
+        return {"weights": {name: t.detach().contiguous().cpu() for name, t in named_tensors}}
+    if encoding == "b64":
+        return {"weights": encode_weights_b64(named_tensors)}
+    raise ValueError(f"encoding: {encoding!r} is not supported; use 'tensors' or 'b64'")
