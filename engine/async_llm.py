@@ -379,3 +379,7 @@ class AsyncLLM:
             raise EngineDeadError(str(self._dead))
         status = await self.engine_core.apply_fault_tolerance_instruction_async(instruction)
         self.engine_status = EngineStatus[status.upper()]
+
+    async def inject_fault(self, kind: str = "step") -> None:
+        """Tests only: the engine's next step raises (refused unless enable_fault_injection is set)."""
+        await self.engine_core.call_utility_async("inject_fault", kind)

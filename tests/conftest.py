@@ -38,3 +38,23 @@ def tiny_checkpoint(tmp_path_factory):
         return cache[key]
 
     return build
+
+
+@pytest.fixture(scope="module")
+def launch_server():
+    """launch_server(model, *flags) -> LaunchedServer; each is stopped with SIGTERM at module end,
+    asserting a clean exit and that no child process survives."""
+    from server_launch import launch
+
+    started = []
+
+    def start(model: str, *args: str):
+        server = launch(model, *args)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        if server.proc.poll() is None:
+            rc = server.stop()
+            assert rc == 0, f"server exited with {rc}:\n{server.stderr_tail()}"

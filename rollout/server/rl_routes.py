@@ -156,5 +156,12 @@ def fault_tolerance_router(engine) -> APIRouter:
     async def status() -> dict:
         return await engine.fault_tolerance_status()
 
+    if engine.config.fault_tolerance.enable_fault_injection:
+        # Tests only: mounted solely when the engine was started with --enable-fault-injection.
+        @router.post("/inject", status_code=202)
+        async def inject() -> JSONResponse:
+            await engine.inject_fault()
+            return JSONResponse({"injected": True}, status_code=202)
+
     return router
 

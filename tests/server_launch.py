@@ -1,4 +1,4 @@
-"""Fixtures that run `rollout launch` as a real process on a loopback port and check it leaves nothing behind."""
+"""Runs `rollout launch` as a real process on a loopback port and checks it leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 
 import psutil
-import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _READY = re.compile(r"^rollout: serving (\S+) at (http://\S+)$")
@@ -92,21 +91,3 @@ def launch(model: str, *args: str) -> LaunchedServer:
     proc.wait()
     with open(stderr.name, errors="replace") as f:
         raise AssertionError(f"server did not start (rc={proc.returncode}):\n{f.read()[-4000:]}")
-
-
-@pytest.fixture(scope="module")
-def launch_server():
-    """launch_server(model, *flags) -> LaunchedServer; each is stopped with SIGTERM at module end,
-    asserting a clean exit and that no child process survives."""
-    started: list[LaunchedServer] = []
-
-    def start(model: str, *args: str) -> LaunchedServer:
-        server = launch(model, *args)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        if server.proc.poll() is None:
-            rc = server.stop()
-            assert rc == 0, f"server exited with {rc}:\n{server.stderr_tail()}"
