@@ -253,12 +253,14 @@ class EngineCore:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Ends the update, forgets the prefix cache and, if given, switches the weight version.
 
-        After the reset no request can hit a block computed with the old weights; running
-        requests keep their own KV (keep mode) but never register blocks again.
+        KV computed by the old weights never serves again: the prefix cache is reset, and
+        in-flight requests (e.g. frozen by a keep-mode pause) drop their KV and recompute
+        prompt + output so far with the new weights when they are next scheduled.
         """
         if weight_version is not None and (not isinstance(weight_version, str) or not weight_version):
             raise ValueError(f"weight_version: expected a non-empty string, got {weight_version!r}")
         self.executor.finish_weight_update()
+        self.scheduler.recompute_running()
         self.scheduler.reset_prefix_cache()
         if weight_version is not None:
             self.weight_version = weight_version

@@ -137,6 +137,9 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished or aborted since the last schedule(): the runner drops their state.
         self.finished_req_ids: set[str] = set()
+        # Requests whose KV was dropped outside schedule() (recompute_running); the runner
+        # must forget them on the next step, like preempted ones.
+        self.requeued_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.num_preemptions_since_stats = 0
         self.step_work_since_stats = StepWork()
@@ -276,21 +279,39 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=preempted_req_ids,
+            preempted_req_ids=preempted_req_ids | self.requeued_req_ids,
         )
         self.finished_req_ids = set()
+        self.requeued_req_ids = set()
         self._count_step_work(output)
         return output
 
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop its KV; it resumes later as a new request."""
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        self._requeue_for_recompute(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.num_preemptions_since_stats += 1
+
+    def _requeue_for_recompute(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
         self.waiting.add_preempted(request)
+
+    def recompute_running(self) -> list[str]:
+        """Drops the KV of every running request; each resumes by recomputing prompt + output.
+
+        Used after a weight update, so tokens generated from then on come from the new
+        weights over a context the new weights computed. Order is kept (they go back to the
+        front of the waiting queue in running order); not counted as preemptions.
+        """
+        req_ids = [r.request_id for r in self.running]
+        for request in reversed(self.running):
+            self._requeue_for_recompute(request)
+        self.running = []
+        self.requeued_req_ids.update(req_ids)
+        return req_ids
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
