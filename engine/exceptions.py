@@ -45,3 +45,7 @@ class EngineNotReadyError(RuntimeError):
     def __init__(self, message: str = "the engine is not ready", reason: str = "not_ready") -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class WeightUpdateStateError(ValueError, RuntimeError):
+    """A weight-update call out of order (e.g. update before start): the caller's mistake, HTTP 400."""

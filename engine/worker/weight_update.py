@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from engine.exceptions import WeightUpdateStateError
 from engine.models.layers import MergedLinear, QKVLinear
 from weight_transfer.base import WeightTransferEngine, get_engine_backend
 from weight_transfer.checksums import compare_checksums, tensor_checksum
@@ -112,7 +114,7 @@ class WeightUpdater:
         if not isinstance(init_info, dict):
             raise ValueError(f"init_info: expected a dict, got {type(init_info).__name__}")
         if self.updating:
-            raise RuntimeError("init_weight_transfer_engine: a weight update is in progress; finish it first")
+            raise WeightUpdateStateError("init_weight_transfer_engine: a weight update is in progress; finish it first")
         backend = init_info.get("backend")
         if not isinstance(backend, str):
             raise ValueError(f"init_info.backend: expected a backend name, got {backend!r}")
@@ -125,7 +127,7 @@ class WeightUpdater:
     def start_update(self) -> None:
         engine = self._require_engine("start_weight_update")
         if self.updating:
-            raise RuntimeError("start_weight_update: a weight update is already in progress; call finish_weight_update first")
+            raise WeightUpdateStateError("start_weight_update: a weight update is already in progress; call finish_weight_update first")
         engine.start_update()
         self.updating = True
 
@@ -133,7 +135,7 @@ class WeightUpdater:
         """Receives, validates and lands one batch of tensors; returns how many were received."""
         engine = self._require_engine("update_weights")
         if not self.updating:
-            raise RuntimeError("update_weights: no weight update in progress; call start_weight_update first")
+            raise WeightUpdateStateError("update_weights: no weight update in progress; call start_weight_update first")
         self._require_resident("update_weights")
         info = engine.parse_update_info(update_info)
         self._validate(list(zip(info.names, info.dtypes, info.shapes)))  # before anything moves
@@ -149,7 +151,7 @@ class WeightUpdater:
     def finish_update(self) -> None:
         engine = self._require_engine("finish_weight_update")
         if not self.updating:
-            raise RuntimeError("finish_weight_update: no weight update in progress; call start_weight_update first")
+            raise WeightUpdateStateError("finish_weight_update: no weight update in progress; call start_weight_update first")
         self.updating = False
         engine.finish_update()
 
@@ -160,11 +162,11 @@ class WeightUpdater:
 
     def _require_resident(self, method: str) -> None:
         if any(tuple(slot.param.shape) != slot.param_shape for slot in self.layout.values()):
-            raise RuntimeError(f"{method}: the weights are not in device memory (engine asleep?); wake_up the weights first")
+            raise WeightUpdateStateError(f"{method}: the weights are not in device memory (engine asleep?); wake_up the weights first")
 
     def _require_engine(self, method: str) -> WeightTransferEngine:
         if self.transfer_engine is None:
-            raise RuntimeError(f"{method}: no weight transfer engine; call init_weight_transfer_engine first")
+            raise WeightUpdateStateError(f"{method}: no weight transfer engine; call init_weight_transfer_engine first")
         return self.transfer_engine
 
     # ---- validation ----------------------------------------------------------------------------

@@ -340,3 +340,11 @@ def test_weight_update_over_http_matches_hf_with_the_new_weights(http, tiny_chec
     assert http.post("/weight_checker", json={"baseline": hf_state_checksums(original)}).json()["match"] is True
     restored = _greedy(http, prompt_ids, 12)
     assert restored["token_ids"] == before and restored["weight_versions"] == [["v2", 0, 12]]
+
+
+def test_shutdown_weight_transfer_engine_requires_a_new_init(http):
+    assert http.post("/init_weight_transfer_engine", json={"init_info": {"backend": "local"}}).status_code == 200
+    assert http.post("/shutdown_weight_transfer_engine").status_code == 200
+    # Without a transfer engine the lifecycle refuses to start, and says why.
+    refused = http.post("/start_weight_update")
+    _assert_error(refused, 400, "init_weight_transfer_engine")

@@ -45,7 +45,7 @@ def test_lifecycle_over_zmq_with_numpy_frames(checkpoints):
 
         client.call_utility("init_weight_transfer_engine", {"backend": "local"})
         client.call_utility("start_weight_update")
-        with pytest.raises(EngineUtilityError, match="RuntimeError: start_weight_update: a weight update is already"):
+        with pytest.raises(EngineUtilityError, match="WeightUpdateStateError: start_weight_update: a weight update is already"):
             client.call_utility("start_weight_update")
         arrays = {name: t.numpy() for name, t in new_state.items()}  # large ones travel as their own frames
         bad = dict(arrays, **{"model.norm.weight": np.full(64, np.nan, np.float32)})
