@@ -316,20 +316,27 @@ class AsyncLLM:
             await self.engine_core.abort_requests_async(engine_ids)
         return found
 
+    async def _timed_weight_op(self, operation: str, method: str, *args: Any) -> Any:
+        """A weight-update lifecycle call, its duration recorded by operation (successful calls only)."""
+        start = time.perf_counter()
+        result = await self._control(method, *args)
+        self.stat_loggers.record_weight_update(operation, time.perf_counter() - start)
+        return result
+
     async def init_weight_transfer_engine(self, init_info: dict) -> None:
-        await self._control("init_weight_transfer_engine", init_info)
+        await self._timed_weight_op("init", "init_weight_transfer_engine", init_info)
 
     async def start_weight_update(self) -> None:
-        await self._control("start_weight_update")
+        await self._timed_weight_op("start", "start_weight_update")
 
     async def update_weights(self, update_info: dict) -> None:
-        await self._control("update_weights", update_info)
+        await self._timed_weight_op("update", "update_weights", update_info)
 
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
-        await self._control("finish_weight_update", weight_version)
+        await self._timed_weight_op("finish", "finish_weight_update", weight_version)
 
     async def shutdown_weight_transfer_engine(self) -> None:
-        await self._control("shutdown_weight_transfer_engine")
+        await self._timed_weight_op("shutdown", "shutdown_weight_transfer_engine")
 
     async def update_weight_version(self, new_version: str) -> None:
         await self._control("update_weight_version", new_version)

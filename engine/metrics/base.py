@@ -35,5 +35,8 @@ class StatLoggerBase(ABC):
     def record_admission_rejection(self, reason: str, engine_index: int = 0) -> None:
         """A request the frontend refused (admission control) before it reached an engine."""
 
+    def record_weight_update(self, operation: str, seconds: float, engine_index: int = 0) -> None:
+        """One weight-update lifecycle call (e.g. "update") and how long it took."""
+
 
 StatLoggerFactory = Callable[[EngineConfig, int], StatLoggerBase]

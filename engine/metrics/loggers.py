@@ -162,6 +162,10 @@ class StatLoggerManager:
         for stat_logger in self._loggers(engine_index):
             stat_logger.record_admission_rejection(reason, engine_index)
 
+    def record_weight_update(self, operation: str, seconds: float, engine_index: int = 0) -> None:
+        for stat_logger in self._loggers(engine_index):
+            stat_logger.record_weight_update(operation, seconds, engine_index)
+
     def log(self) -> None:
         for stat_logger in self._all_loggers():
             stat_logger.log()

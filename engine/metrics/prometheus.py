@@ -61,8 +61,8 @@ class PrometheusStatLogger(StatLoggerBase):
         def counter(name: str, doc: str, extra_labels: Sequence[str] = ()) -> Counter:
             return Counter(PREFIX + name, doc, LABELS + list(extra_labels), registry=self.registry)
 
-        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=self.registry)
+        def histogram(name: str, doc: str, buckets: list[float], extra_labels: Sequence[str] = ()) -> Histogram:
+            return Histogram(PREFIX + name, doc, LABELS + list(extra_labels), buckets=buckets, registry=self.registry)
 
         self.num_requests_running = gauge("num_requests_running", "Requests running in the engine.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting in the engine.")
@@ -80,6 +80,12 @@ class PrometheusStatLogger(StatLoggerBase):
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = counter("request_success", "Finished requests by finish reason.", ["finished_reason"])
         self.admission_rejections = counter("admission_rejections", "Requests refused by admission control.", ["reason"])
+        self.weight_update_duration = histogram(
+            "weight_update_duration_seconds",
+            "Duration of each weight-update lifecycle call (init, start, update, finish, shutdown), seen by the frontend.",
+            [0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0],
+            ["operation"],
+        )
         self.estimated_flops = counter("estimated_flops_per_gpu", "Estimated FLOPs per GPU (analytic).")
         self.estimated_read_bytes = counter("estimated_read_bytes_per_gpu", "Estimated bytes read per GPU (analytic).")
         self.estimated_write_bytes = counter("estimated_write_bytes_per_gpu", "Estimated bytes written per GPU (analytic).")
@@ -151,6 +157,9 @@ class PrometheusStatLogger(StatLoggerBase):
 
     def record_admission_rejection(self, reason: str, engine_index: int = 0) -> None:
         self.admission_rejections.labels(self.model_name, str(engine_index), reason).inc()
+
+    def record_weight_update(self, operation: str, seconds: float, engine_index: int = 0) -> None:
+        self.weight_update_duration.labels(self.model_name, str(engine_index), operation).observe(seconds)
 
     def prometheus_text(self) -> bytes:
         """The registry in the Prometheus text format (the body of GET /metrics)."""

@@ -341,6 +341,17 @@ def test_weight_update_over_http_matches_hf_with_the_new_weights(http, tiny_chec
     restored = _greedy(http, prompt_ids, 12)
     assert restored["token_ids"] == before and restored["weight_versions"] == [["v2", 0, 12]]
 
+    # Each lifecycle call's duration lands in the histogram, by operation.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        if family.name == "rollout:weight_update_duration_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_count"):
+                    counts[sample.labels["operation"]] = sample.value
+    assert all(counts.get(op, 0) >= 2 for op in ("init", "start", "update", "finish")), counts
+
 
 def test_shutdown_weight_transfer_engine_requires_a_new_init(http):
     assert http.post("/init_weight_transfer_engine", json={"init_info": {"backend": "local"}}).status_code == 200
