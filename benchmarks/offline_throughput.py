@@ -10,11 +10,13 @@ import argparse
 import json
 import os
 import platform
-import random
 import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workload import make_workload, resolve_model, vocab_size_of  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,23 +43,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--json-out", default="benchmarks/out/offline_throughput.json")
     return p.parse_args()
-
-
-def resolve_model(name: str) -> str:
-    if os.path.isdir(name):
-        return name
-    from engine.tiny_models import builtin_model_dir
-
-    return builtin_model_dir(name)
-
-
-def make_workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(args.seed)
-    work = []
-    for _ in range(args.num_requests):
-        prompt = [rng.randrange(3, vocab_size) for _ in range(rng.randint(*args.input_len))]
-        work.append((prompt, rng.randint(*args.output_len)))
-    return work
 
 
 def run_engine(args, path: str, work) -> dict:
@@ -139,16 +124,13 @@ def _sync(device: str) -> None:
 def main() -> None:
     args = parse_args()
     if args.shape:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from gpu_common import shape_checkpoint
 
         args.model = args.shape
         path = shape_checkpoint(args.shape)
     else:
         path = resolve_model(args.model)
-    with open(os.path.join(path, "config.json")) as f:
-        vocab_size = json.load(f)["vocab_size"]
-    work = make_workload(args, vocab_size)
+    work = make_workload(args, vocab_size_of(path))
     ours = run_engine(args, path, work)
     result = {
         "benchmark": "offline_throughput",

@@ -13,12 +13,13 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import socket
-import statistics
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workload import make_workload, resolve_model, vocab_size_of  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -33,22 +34,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default="benchmarks/out/serving.json")
     return p.parse_args()
-
-
-def resolve_model(name: str) -> str:
-    if os.path.isdir(name):
-        return name
-    from engine.tiny_models import builtin_model_dir
-
-    return builtin_model_dir(name)
-
-
-def make_workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(args.seed)
-    return [
-        ([rng.randrange(3, vocab_size) for _ in range(rng.randint(*args.input_len))], rng.randint(*args.output_len))
-        for _ in range(args.num_requests)
-    ]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -172,9 +157,7 @@ async def run_async_llm(args, path: str, work, multiprocess: bool) -> dict:
 def main() -> None:
     args = parse_args()
     path = resolve_model(args.model)
-    with open(os.path.join(path, "config.json")) as f:
-        vocab_size = json.load(f)["vocab_size"]
-    work = make_workload(args, vocab_size)
+    work = make_workload(args, vocab_size_of(path))
 
     port = free_port()
     server = start_server(args, path, port)

@@ -12,9 +12,8 @@ import asyncio
 import os
 
 import pytest
-import torch
+from hf_reference import hf_greedy
 from safetensors.numpy import load_file
-from transformers import AutoModelForCausalLM
 
 from engine.async_llm import AsyncLLM
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -23,16 +22,6 @@ from engine.tiny_models import make_tiny_checkpoint
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 40
-
-
-def _hf_greedy(path: str, prompt_ids: list[int], num_tokens: int) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    model.generation_config.eos_token_id = None
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens,
-                             do_sample=False, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
 
 
 def test_keep_pause_update_resume_switches_versions_at_the_right_token(tiny_checkpoint, tmp_path):
@@ -80,5 +69,5 @@ def test_keep_pause_update_resume_switches_versions_at_the_right_token(tiny_chec
     tokens = completion.token_ids
     assert len(tokens) == MAX_TOKENS
     assert completion.weight_versions == [("default", 0, num_before), ("v1", num_before, MAX_TOKENS)]
-    assert tokens[:num_before] == _hf_greedy(old_path, prompt_ids, num_before)
-    assert tokens[num_before:] == _hf_greedy(new_path, prompt_ids + tokens[:num_before], MAX_TOKENS - num_before)
+    assert tokens[:num_before] == hf_greedy(old_path, prompt_ids, num_before)
+    assert tokens[num_before:] == hf_greedy(new_path, prompt_ids + tokens[:num_before], MAX_TOKENS - num_before)

@@ -9,8 +9,8 @@ import threading
 import httpx
 import pytest
 import torch
+from hf_reference import hf_greedy
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from engine.tiny_models import make_tiny_checkpoint
 
@@ -272,16 +272,6 @@ def test_abort_requests_ends_a_running_stream(http):
 # ---------------------------------------------------------------------------- weights
 
 
-def _hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    model.generation_config.eos_token_id = None
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
-
-
 def _update(http, weights: dict, version: str) -> None:
     from weight_transfer.local import make_update_info
 
@@ -307,7 +297,7 @@ def test_weight_update_over_http_matches_hf_with_the_new_weights(http, tiny_chec
     new = load_file(os.path.join(other_dir, "model.safetensors"))
     prompt_ids = http.post("/tokenize", json={"prompt": "The quick brown fox"}).json()["tokens"]
     before = _greedy(http, prompt_ids, 12)["token_ids"]
-    assert before == _hf_greedy(original_dir, prompt_ids, 12)
+    assert before == hf_greedy(original_dir, prompt_ids, 12)
 
     baseline_new = hf_state_checksums(new)
     check = http.post("/weight_checker", json={"baseline": baseline_new}).json()
@@ -319,7 +309,7 @@ def test_weight_update_over_http_matches_hf_with_the_new_weights(http, tiny_chec
     assert http.post("/weight_checker", json={"baseline": baseline_new}).json()["match"] is True
     assert "checksums" in http.post("/weight_checker").json()
     after = _greedy(http, prompt_ids, 12)
-    assert after["token_ids"] == _hf_greedy(other_dir, prompt_ids, 12) != before
+    assert after["token_ids"] == hf_greedy(other_dir, prompt_ids, 12) != before
     assert after["weight_versions"] == [["v1", 0, 12]]
 
     # A bad update (unknown name, wrong shape) is a 400 and the new weights keep serving.
