@@ -59,11 +59,8 @@ class EngineUtilityError(RuntimeError):
 
 
 class EngineCoreClient(ABC):
-    """add_request / abort_requests / get_output / call_utility, each also as *_async.
-
-    Implementations support the sync methods, the async methods or both; the others raise
-    NotImplementedError.
-    """
+    """What every client has: construction, liveness and shutdown. The requests themselves
+    go through SyncEngineCoreClient or AsyncEngineCoreClient (InprocClient is both)."""
 
     @staticmethod
     def make_client(
@@ -90,43 +87,51 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def shutdown(self) -> None: ...
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        raise NotImplementedError
 
-    def abort_requests(self, req_ids: list[str]) -> None:
-        raise NotImplementedError
+class SyncEngineCoreClient(EngineCoreClient):
+    """Blocking calls: add_request / abort_requests / get_output / call_utility."""
 
-    def get_output(self) -> EngineCoreOutputs:
-        raise NotImplementedError
+    @abstractmethod
+    def add_request(self, request: EngineCoreRequest) -> None: ...
 
-    def call_utility(self, method: str, *args: Any) -> Any:
-        raise NotImplementedError
+    @abstractmethod
+    def abort_requests(self, req_ids: list[str]) -> None: ...
 
-    async def add_request_async(self, request: EngineCoreRequest) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def get_output(self) -> EngineCoreOutputs: ...
 
-    async def abort_requests_async(self, req_ids: list[str]) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def call_utility(self, method: str, *args: Any) -> Any: ...
 
-    async def get_output_async(self) -> EngineCoreOutputs:
-        raise NotImplementedError
-
-    async def call_utility_async(self, method: str, *args: Any) -> Any:
-        raise NotImplementedError
-
+    @abstractmethod
     def fault_tolerance_status(self) -> str:
         """"healthy", "unhealthy" (a step failed; waiting for `retry`) or "dead"."""
-        raise NotImplementedError
 
+    @abstractmethod
     def apply_fault_tolerance_instruction(self, instruction: str) -> str:
         """Sends an instruction ("retry"); returns the status after it. Unknown ones raise ValueError."""
-        raise NotImplementedError
 
-    async def fault_tolerance_status_async(self) -> str:
-        raise NotImplementedError
 
-    async def apply_fault_tolerance_instruction_async(self, instruction: str) -> str:
-        raise NotImplementedError
+class AsyncEngineCoreClient(EngineCoreClient):
+    """The same calls for asyncio callers."""
+
+    @abstractmethod
+    async def add_request_async(self, request: EngineCoreRequest) -> None: ...
+
+    @abstractmethod
+    async def abort_requests_async(self, req_ids: list[str]) -> None: ...
+
+    @abstractmethod
+    async def get_output_async(self) -> EngineCoreOutputs: ...
+
+    @abstractmethod
+    async def call_utility_async(self, method: str, *args: Any) -> Any: ...
+
+    @abstractmethod
+    async def fault_tolerance_status_async(self) -> str: ...
+
+    @abstractmethod
+    async def apply_fault_tolerance_instruction_async(self, instruction: str) -> str: ...
 
 
 def check_fault_tolerance_instruction(instruction: str) -> None:
@@ -140,7 +145,7 @@ def check_fault_tolerance_instruction(instruction: str) -> None:
 # ---- in-process ------------------------------------------------------------------------------
 
 
-class InprocClient(EngineCoreClient):
+class InprocClient(SyncEngineCoreClient, AsyncEngineCoreClient):
     """The EngineCore in this process. get_output runs one step (abort outputs come with the next).
 
     add_request raises ValueError for a bad request (the MP clients get an ERROR output instead).
@@ -396,7 +401,7 @@ class _MPClient(EngineCoreClient):
 _DEAD = object()  # queue sentinel: the engine is dead (re-queued so that every waiter sees it)
 
 
-class SyncMPClient(_MPClient):
+class SyncMPClient(_MPClient, SyncEngineCoreClient):
     """The EngineCore in a child process, for blocking callers (thread-safe)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -502,7 +507,7 @@ class SyncMPClient(_MPClient):
         return super()._close_output_socket()
 
 
-class AsyncMPClient(_MPClient):
+class AsyncMPClient(_MPClient, AsyncEngineCoreClient):
     """The EngineCore in a child process, for asyncio callers (one event loop at a time).
 
     Requests go out on the ROUTER directly; a task reads the zmq.asyncio PULL socket into an
