@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from engine.async_llm import AsyncLLM
-from engine.core_client import EngineUtilityError, InprocClient, SyncMPClient
+from engine.core_client import EngineUtilityError, InprocClient
 from engine.engine_args import create_engine_config
 from engine.exceptions import EngineDeadError
+from engine.mp_client import SyncMPClient
 from engine.sampling_params import SamplingParams
 from engine.wire import EngineCoreRequest, EngineStatus, FinishReason
 

@@ -14,15 +14,10 @@ import numpy as np
 import pytest
 import zmq
 
-from engine.core_client import (
-    AsyncMPClient,
-    EngineUtilityError,
-    InprocClient,
-    SyncMPClient,
-    make_mp_clients,
-)
+from engine.core_client import EngineUtilityError, InprocClient
 from engine.engine_args import create_engine_config
 from engine.exceptions import EngineDeadError, EngineStartupError
+from engine.mp_client import AsyncMPClient, SyncMPClient, make_mp_clients
 from engine.sampling_params import SamplingParams
 from engine.wire import EngineCoreRequest, FinishReason
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from weight_helpers import MAX_TOKENS, PROMPTS, hf_greedy, hf_model, read_state
 
-from engine.core_client import EngineUtilityError, SyncMPClient
+from engine.core_client import EngineUtilityError
 from engine.engine_args import create_engine_config
+from engine.mp_client import SyncMPClient
 from engine.sampling_params import SamplingParams
 from engine.wire import EngineCoreRequest
 from weight_transfer.checksums import hf_state_checksums
 from weight_transfer.local import make_update_info
-from weight_helpers import MAX_TOKENS, PROMPTS, hf_greedy, hf_model, read_state
 
 pytestmark = pytest.mark.slow
 
