@@ -28,7 +28,7 @@ from engine.wire import (
 )
 
 if TYPE_CHECKING:
-    from engine.core_proc import EngineCoreProcHandle
+    from engine.core_proc_handle import EngineCoreProcHandle
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,8 @@ from engine.core_client import (
     SyncEngineCoreClient,
     check_fault_tolerance_instruction,
 )
-from engine.core_proc import EngineCoreProcHandle, EngineHandshake, engine_identity
+from engine.core_proc import EngineHandshake, engine_identity
+from engine.core_proc_handle import EngineCoreProcHandle
 from engine.exceptions import EngineDeadError, EngineStartupError
 from engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from engine.wire import (
