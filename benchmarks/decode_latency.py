@@ -16,7 +16,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_common import StepTimer, copy_bandwidth_bytes_per_s, median, shape_checkpoint, weight_bytes, write_json  # noqa: E402
+from gpu_common import StepTimer, copy_bandwidth_bytes_per_s, median, shape_checkpoint, weight_bytes  # noqa: E402
+from workload import write_json  # noqa: E402
 
 
 def main() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -144,10 +143,3 @@ def weight_bytes(model: torch.nn.Module) -> int:
             seen.add(id(p))
             total += p.numel() * p.element_size()
     return total
-
-
-def write_json(path: str, result: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path}")

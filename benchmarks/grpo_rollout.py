@@ -16,7 +16,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_common import shape_checkpoint, write_json  # noqa: E402
+from gpu_common import shape_checkpoint  # noqa: E402
+from workload import write_json  # noqa: E402
 
 
 def main() -> None:

@@ -7,7 +7,6 @@ lengths are drawn uniformly from ranges; every request runs to its max_tokens (i
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -16,7 +15,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workload import make_workload, resolve_model, vocab_size_of  # noqa: E402
+from workload import make_workload, resolve_model, vocab_size_of, write_json  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -163,10 +162,7 @@ def main() -> None:
         print(f"{name:<16}{r['output_tokens']:>15}{r['elapsed_s']:>12.2f}{r['output_tok_per_s']:>15.1f}")
     if "ratio_vs_hf" in result:
         print(f"ratio ours / HF: {result['ratio_vs_hf']:.2f}x")
-    os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
-    with open(args.json_out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.json_out}")
+    write_json(args.json_out, result)
 
 
 if __name__ == "__main__":

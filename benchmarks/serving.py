@@ -19,7 +19,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workload import make_workload, resolve_model, vocab_size_of  # noqa: E402
+from workload import make_workload, resolve_model, vocab_size_of, write_json  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -182,10 +182,7 @@ def main() -> None:
     print(f"{'AsyncLLM, in-process core':<26}{inproc['output_tok_per_s']:>14.1f}")
     print(f"{'AsyncLLM, core over ZMQ':<26}{zmq['output_tok_per_s']:>14.1f}")
     print(f"ZMQ / in-process: {result['zmq_vs_inproc']:.2f}x")
-    os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
-    with open(args.json_out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.json_out}")
+    write_json(args.json_out, result)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The random request workload the benchmarks share: prompts of random token ids and output lengths."""
+"""What the benchmarks share: model resolution, the random request workload, the JSON result file."""
 
 from __future__ import annotations
 
@@ -29,3 +29,10 @@ def make_workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
         prompt = [rng.randrange(3, vocab_size) for _ in range(rng.randint(*args.input_len))]  # ids 0-2 are special
         work.append((prompt, rng.randint(*args.output_len)))
     return work
+
+
+def write_json(path: str, result: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {path}")

@@ -19,7 +19,7 @@ from engine.core_client import EngineCoreClient, EngineUtilityError, check_fault
 from engine.engine_args import create_engine_config
 from engine.exceptions import EngineDeadError, EngineNotReadyError, MaxQueuedTokensError, QueueOverflowError
 from engine.metrics.loggers import StatLoggerManager
-from engine.output_processor import OutputProcessor, ParentRequest
+from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.processor import Processor, PromptType
 from engine.sampling_params import SamplingParams
@@ -121,20 +121,14 @@ class AsyncLLM:
                 )
 
     async def _add_request(self, prompt_text: str | None, request: EngineCoreRequest) -> None:
-        params = request.sampling_params
-        if params.n == 1:
-            children = [(request, None, 0)]
-        else:
-            parent = ParentRequest(request.request_id, params)
-            children = [(child, parent, i) for i, child in enumerate(parent.make_child_requests(request))]
-        for child, parent, index in children:
-            self.output_processor.add_request(child, prompt_text, parent, index)
+        parent_id = request.request_id if request.sampling_params.n > 1 else None
+        engine_requests = self.output_processor.add_user_request(request, prompt_text)
+        for child in engine_requests:
             self._queued[child.request_id] = len(child.prompt_token_ids)
             self.stat_loggers.on_request_added(
-                child.request_id, child.arrival_time, len(child.prompt_token_ids),
-                parent.request_id if parent is not None else None,
+                child.request_id, child.arrival_time, len(child.prompt_token_ids), parent_id
             )
-        for child, _, _ in children:
+        for child in engine_requests:
             await self.engine_core.add_request_async(child)
 
     async def abort(self, request_id: str | list[str]) -> None:

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from engine.engine_args import create_engine_config
 from engine.core_client import InprocClient
 from engine.metrics.loggers import StatLoggerManager
-from engine.output_processor import OutputProcessor, ParentRequest
+from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.processor import Processor, PromptType
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -100,16 +100,12 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _add_request(self, prompt_text: str | None, request) -> None:
-        self._track_request_stats(request)
-        params = request.sampling_params
-        if params.n == 1:
-            self.output_processor.add_request(request, prompt_text)
-            self.engine_client.add_request(request)
-            return
-        parent = ParentRequest(request.request_id, params)
-        for index, child in enumerate(parent.make_child_requests(request)):
-            self.output_processor.add_request(child, prompt_text, parent, index)
-            self.engine_client.add_request(child)
+        parent_id = request.request_id if request.sampling_params.n > 1 else None
+        for engine_request in self.output_processor.add_user_request(request, prompt_text):
+            self.stat_loggers.on_request_added(
+                engine_request.request_id, request.arrival_time, len(request.prompt_token_ids), parent_id
+            )
+            self.engine_client.add_request(engine_request)
 
     def _run_engine(self, req_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -147,13 +143,3 @@ class LLM:
     def get_metrics_snapshot(self) -> dict[str, float]:
         """Counters, gauges and histogram sums/counts as plain numbers, keyed by Prometheus sample name."""
         return self.stat_loggers.get_metrics_snapshot()
-
-    def _track_request_stats(self, request) -> None:
-        """Registers the request's engine requests (its n children when n > 1) for latency stats."""
-        params = request.sampling_params
-        if params.n == 1:
-            engine_req_ids, parent_id = [request.request_id], None
-        else:
-            engine_req_ids, parent_id = ParentRequest(request.request_id, params).child_req_ids, request.request_id
-        for req_id in engine_req_ids:
-            self.stat_loggers.on_request_added(req_id, request.arrival_time, len(request.prompt_token_ids), parent_id)

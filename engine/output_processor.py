@@ -263,6 +263,18 @@ class OutputProcessor:
             parent_req.child_states[index] = state
             self.parent_requests[parent_req.request_id] = parent_req
 
+    def add_user_request(self, request: EngineCoreRequest, prompt: str | None) -> list[EngineCoreRequest]:
+        """Registers a user's request, fanned out into its n children when n > 1 (they share the
+        prompt, so prefix caching shares its KV blocks); returns the engine requests to send."""
+        if request.sampling_params.n == 1:
+            self.add_request(request, prompt)
+            return [request]
+        parent = ParentRequest(request.request_id, request.sampling_params)
+        children = parent.make_child_requests(request)
+        for index, child in enumerate(children):
+            self.add_request(child, prompt, parent, index)
+        return children
+
     def abort_requests(self, req_ids: list[str]) -> list[str]:
         """Forgets requests (parent ids expand to their children); returns the engine request ids removed."""
         removed = []
