@@ -213,11 +213,13 @@ class AsyncLLM:
 
     @staticmethod
     def _local_error(remote: str) -> Exception:
-        """The local form of a remote "ExcType: message" failure: ValueError (and subclasses)
-        and EngineNotReadyError keep their meaning; anything else stays an EngineUtilityError."""
+        """The local form of a remote "ExcType: message" failure: ValueError (and subclasses),
+        EngineNotReadyError and WeightTransferError keep their meaning; anything else stays an EngineUtilityError."""
         name, _, message = remote.partition(": ")
         if name == EngineNotReadyError.__name__:
             return EngineNotReadyError(message)
+        if name == engine_exceptions.WeightTransferError.__name__:
+            return engine_exceptions.WeightTransferError(message)
         cls = getattr(builtins, name, None) or getattr(engine_exceptions, name, None)
         if isinstance(cls, type) and issubclass(cls, ValueError):
             return ValueError(message)
@@ -328,6 +330,9 @@ class AsyncLLM:
 
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
         await self._timed_weight_op("finish", "finish_weight_update", weight_version)
+
+    async def abort_weight_update(self) -> bool:
+        return await self._control("abort_weight_update")
 
     async def shutdown_weight_transfer_engine(self) -> None:
         await self._timed_weight_op("shutdown", "shutdown_weight_transfer_engine")

@@ -154,10 +154,14 @@ class FaultToleranceConfig:
     """Seconds an unhealthy engine waits for a `retry` instruction before it exits (dead)."""
     enable_fault_injection: bool = False
     """Tests only: let the `inject_fault` utility make the engine's next step raise."""
+    weight_update_rollback: str = "device"
+    """Where a weight update keeps the weights it overwrites until it finishes, so a failed transfer restores them: device (fastest; transient memory up to the model's size), cpu, or none (a failed transfer leaves the engine refusing to serve until a new update finishes)."""
 
     def __post_init__(self) -> None:
         if self.engine_recovery_timeout_sec <= 0:
             raise ValueError(f"engine_recovery_timeout_sec must be > 0, got {self.engine_recovery_timeout_sec}")
+        if self.weight_update_rollback not in ("device", "cpu", "none"):
+            raise ValueError(f"weight_update_rollback must be one of device, cpu, none; got {self.weight_update_rollback!r}")
 
 
 @dataclass

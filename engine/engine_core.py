@@ -17,7 +17,7 @@ from engine.control import (
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.stats import SchedulerStats
-from engine.exceptions import EngineNotReadyError
+from engine.exceptions import EngineNotReadyError, WeightTransferError
 from engine.executor import UniProcExecutor
 from engine.wire import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 
@@ -44,6 +44,10 @@ class EngineCore:
         self._sleep_level = 0  # the level of the last sleep(), meaningful while _asleep
         # ABORT outputs of requests ended by pause("abort") or sleep(); the next step() emits them.
         self._pending_outputs: list[EngineCoreOutput] = []
+        # Nothing is scheduled while a weight update is in progress, or while the weights are a
+        # mix left by a failed transfer that could not roll back: no step ever sees half an update.
+        self._weight_update_active = False
+        self._weights_consistent = True
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Admits a request, or raises ValueError naming what is wrong and changes nothing.
@@ -191,7 +195,8 @@ class EngineCore:
         return [r.request_id for r in finished]
 
     def _apply_pause_state(self) -> None:
-        if self._asleep or self._pause_mode == "keep":
+        held = self._weight_update_active or not self._weights_consistent
+        if self._asleep or self._pause_mode == "keep" or held:
             state = PauseState.PAUSED_ALL
         elif self._pause_mode is not None:
             state = PauseState.PAUSED_NEW
@@ -238,17 +243,37 @@ class EngineCore:
         self.executor.init_weight_transfer_engine(init_info)
 
     def start_weight_update(self) -> None:
+        """Begins an update; until it finishes or aborts nothing is scheduled (requests queue)."""
         self.executor.start_weight_update()
+        self._set_weight_update_active(True)
 
     def update_weights(self, update_info: dict) -> int:
         """Lands one atomic batch of HF-named tensors; returns how many. ValueError: nothing changed.
 
-        The prefix cache is reset here too (not only at finish), so that even between the
-        calls of one update no request hits a block computed with older weights.
+        WeightTransferError: the transfer failed, the update is over and the previous weights
+        are back. The prefix cache is reset here too (not only at finish), so that even
+        between the calls of one update no request hits a block computed with older weights.
         """
-        num_loaded = self.executor.update_weights(update_info)
-        self.scheduler.reset_prefix_cache()
+        try:
+            num_loaded = self.executor.update_weights(update_info)
+        except WeightTransferError:
+            self._weights_consistent = self.executor.weights_consistent()
+            self._set_weight_update_active(False)
+            raise
+        finally:
+            self.scheduler.reset_prefix_cache()
         return num_loaded
+
+    def abort_weight_update(self) -> bool:
+        """Ends an update in progress and restores the weights it changed; False if none was in progress."""
+        aborted = self.executor.abort_weight_update()
+        self._weights_consistent = self.executor.weights_consistent()
+        self._set_weight_update_active(False)
+        return aborted
+
+    def _set_weight_update_active(self, active: bool) -> None:
+        self._weight_update_active = active
+        self._apply_pause_state()
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Ends the update, forgets the prefix cache and, if given, switches the weight version.
@@ -260,13 +285,17 @@ class EngineCore:
         if weight_version is not None and (not isinstance(weight_version, str) or not weight_version):
             raise ValueError(f"weight_version: expected a non-empty string, got {weight_version!r}")
         self.executor.finish_weight_update()
+        self._weights_consistent = True
+        self._set_weight_update_active(False)
         self.scheduler.recompute_running()
         self.scheduler.reset_prefix_cache()
         if weight_version is not None:
             self.weight_version = weight_version
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self.executor.shutdown_weight_transfer_engine()
+        self.executor.shutdown_weight_transfer_engine()  # aborts an update in progress
+        self._weights_consistent = self.executor.weights_consistent()
+        self._set_weight_update_active(False)
 
     def weight_info(self) -> dict:
         """{"weight_version": str, "weights": {hf_name: {"shape": [...], "dtype": str}}}."""

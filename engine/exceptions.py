@@ -49,3 +49,7 @@ class EngineNotReadyError(RuntimeError):
 
 class WeightUpdateStateError(ValueError, RuntimeError):
     """A weight-update call out of order (e.g. update before start): the caller's mistake, HTTP 400."""
+
+
+class WeightTransferError(RuntimeError):
+    """A weight transfer failed mid-way (peer gone, timeout): the update was aborted and the previous weights restored."""

@@ -42,6 +42,12 @@ class UniProcExecutor:
     def finish_weight_update(self) -> None:
         self.worker.finish_weight_update()
 
+    def abort_weight_update(self) -> bool:
+        return self.worker.abort_weight_update()
+
+    def weights_consistent(self) -> bool:
+        return self.worker.weight_updater.consistent
+
     def shutdown_weight_transfer_engine(self) -> None:
         self.worker.shutdown_weight_transfer_engine()
 

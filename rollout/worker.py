@@ -216,6 +216,10 @@ class RolloutWorker:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._run(self.engine.finish_weight_update(weight_version))
 
+    def abort_weight_update(self) -> bool:
+        """Ends an update in progress and restores the weights of before it; False if none was in progress."""
+        return self._run(self.engine.abort_weight_update())
+
     def shutdown_weight_transfer_engine(self) -> None:
         self._run(self.engine.shutdown_weight_transfer_engine())
 

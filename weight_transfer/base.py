@@ -1,12 +1,15 @@
-"""The engine-side WeightTransferEngine interface and the lazy registry of backends by name.
+"""Weight sync interfaces: the trainer's WeightSource and TrainerWeightTransferEngine, the engine's WeightTransferEngine.
 
-A backend moves HF-named tensors from a trainer into one engine worker. The worker
+A backend moves HF-named tensors from a trainer into every engine worker. On the trainer a
+WeightSource says what there is (metadata) and yields the tensors; a
+TrainerWeightTransferEngine moves them and alone talks to the engine through a client
+(weight_transfer/clients.py). On the engine a WeightTransferEngine receives them. The worker
 (engine/worker/weight_update.py) drives it through one lifecycle:
 
     parse_init_info -> init_transfer            once, when the transfer engine is created
     start_update                                 once per weight update
     parse_update_info -> receive_weights         once per update_weights call (any number)
-    finish_update                                once per weight update
+    finish_update or abort_update                once per weight update
     shutdown                                     when the transfer engine goes away
 
 parse_update_info returns the names, dtypes and shapes the call will deliver, so the worker
@@ -18,12 +21,15 @@ only then lands it through the model's weight loaders.
 from __future__ import annotations
 
 import importlib
+import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from functools import cached_property
+from typing import Any, ClassVar
 
 import torch
+from torch import nn
 
 
 @dataclass
@@ -66,11 +72,20 @@ class WeightTransferEngine(ABC):
         """Checks and decodes update_info; raises ValueError naming a bad field. Moves no weights."""
 
     @abstractmethod
-    def receive_weights(self, info: WeightUpdateInfo) -> Iterable[tuple[str, torch.Tensor]]:
-        """Yields the (hf_name, tensor) pairs that `info` announced, on any device and in any dtype."""
+    def receive_weights(self, info: WeightUpdateInfo) -> Iterable[tuple[str, "torch.Tensor | SparseWeightPatch"]]:
+        """Yields the (hf_name, tensor or patch) pairs that `info` announced, in order.
+
+        The worker lands each pair before it asks for the next, so a backend may yield views
+        into a receive buffer and reuse that buffer once the generator resumes. A transport
+        failure (peer gone, timeout) raises from here; the worker then restores the weights
+        it held at start_update.
+        """
 
     def finish_update(self) -> None:
         """Called once after the last update_weights call of one update."""
+
+    def abort_update(self) -> None:
+        """Called instead of finish_update when the update is abandoned (transfer failed, or aborted by the trainer)."""
 
     def shutdown(self) -> None:
         """Releases the transport; the object is not used afterwards."""
@@ -82,6 +97,10 @@ class WeightTransferEngine(ABC):
 
 _ENGINE_BACKENDS: dict[str, str | type[WeightTransferEngine]] = {
     "local": "weight_transfer.local:LocalWeightTransferEngine",
+    "nccl": "weight_transfer.nccl:NCCLWeightTransferEngine",
+    "sparse_nccl": "weight_transfer.sparse_nccl:SparseNCCLWeightTransferEngine",
+    "ipc": "weight_transfer.ipc:IPCWeightTransferEngine",
+    "sharded_rdt": "weight_transfer.sharded_rdt:ShardedRDTWeightTransferEngine",
 }
 
 
@@ -110,3 +129,280 @@ def get_engine_backend(name: str) -> type[WeightTransferEngine]:
             raise TypeError(f"backend {name!r}: {target} is not a WeightTransferEngine subclass")
         _ENGINE_BACKENDS[name] = target = cls
     return target
+
+
+# =======================================================================================
+# Trainer side
+# =======================================================================================
+
+
+@dataclass(frozen=True)
+class ParamMeta:
+    """One tensor of a trainer model as the engine will receive it (full, unsharded)."""
+
+    name: str  # HF name, e.g. "model.layers.0.self_attn.q_proj.weight"
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # the full tensor's shape
+    owners: tuple[int, ...] = (0,)  # trainer ranks that hold a piece of it
+    placements: tuple[str, ...] = ()  # DTensor placements, e.g. ("Shard(dim=0)",); () for a plain tensor
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class SparseWeightPatch:
+    """Changed coordinates of one tensor: tensor.view(-1)[indices] = values, everything else unchanged."""
+
+    name: str
+    indices: torch.Tensor  # int32 [nnz], flat (row-major) positions, unique
+    values: torch.Tensor  # [nnz], the tensor's dtype
+    full_shape: tuple[int, ...]
+
+    def validate(self, dtype: torch.dtype | None = None) -> None:
+        """Raises ValueError naming the patch when it is malformed (never touches a weight)."""
+        where = f"sparse patch {self.name!r}"
+        numel = 1
+        for d in self.full_shape:
+            numel *= d
+        if self.indices.dtype != torch.int32 or self.indices.dim() != 1:
+            raise ValueError(f"{where}: indices must be a flat int32 tensor, got {self.indices.dtype} {list(self.indices.shape)}")
+        if self.values.dim() != 1 or self.values.shape[0] != self.indices.shape[0]:
+            raise ValueError(f"{where}: {self.indices.shape[0]} indices but values of shape {list(self.values.shape)}")
+        if not self.values.dtype.is_floating_point:
+            raise ValueError(f"{where}: values dtype {self.values.dtype} is not a floating-point dtype")
+        if dtype is not None and self.values.dtype != dtype:
+            raise ValueError(f"{where}: values dtype {self.values.dtype} differs from the tensor's {dtype}")
+        if self.indices.numel():
+            if int(self.indices.min()) < 0 or int(self.indices.max()) >= numel:
+                raise ValueError(f"{where}: indices out of range [0, {numel})")
+            if torch.unique(self.indices).numel() != self.indices.numel():
+                raise ValueError(f"{where}: indices are not unique")
+            if not bool(torch.isfinite(self.values).all()):
+                raise ValueError(f"{where}: values contain NaN or inf")
+
+
+class WeightSource(ABC):
+    """What a trainer rank can send: metadata (identical on every rank) and fresh passes over the tensors."""
+
+    @cached_property
+    def metadata(self) -> list[ParamMeta]:
+        return self._metadata()
+
+    @abstractmethod
+    def _metadata(self) -> list[ParamMeta]:
+        """The tensors, in the order every pass yields them."""
+
+    @abstractmethod
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) in metadata order. Sharded sources gather while iterating, so
+        every rank must run the same pass; memory stays bounded to one full tensor."""
+
+    @abstractmethod
+    def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, this rank's local piece) in metadata order; no communication."""
+
+
+_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+
+
+def layerwise_groups(names: Iterable[str]) -> list[list[str]]:
+    """Names grouped by decoder layer, in first-seen order; names outside any layer form one group each side.
+
+    Tensors before the first layer (embeddings) make the first group, those after the last
+    (final norm, lm_head) the last one; a layer's tensors stay together so a consumer can
+    load a layer as soon as its group arrives.
+    """
+    before: list[str] = []
+    after: list[str] = []
+    layers: dict[str, list[str]] = {}
+    for name in names:
+        m = _LAYER.match(name)
+        if m:
+            layers.setdefault(m.group(1), []).append(name)
+        elif layers:
+            after.append(name)
+        else:
+            before.append(name)
+    return [g for g in [before, *layers.values(), after] if g]
+
+
+def _placements(param: torch.Tensor) -> tuple[str, ...]:
+    return tuple(str(p) for p in param.placements) if _is_dtensor(param) else ()
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+class ModuleSource(WeightSource):
+    """A torch module (plain, or FSDP2 `fully_shard`ed with DTensor parameters) as a WeightSource.
+
+    Names are the module's state_dict names (HF naming for an HF model), buffers excluded;
+    `dtype` casts each tensor as it is yielded (e.g. float32 master weights -> bfloat16 engine);
+    `names` filters (None: every parameter). Tied parameters appear once, under their first name.
+    """
+
+    def __init__(self, module: nn.Module, *, dtype: torch.dtype | None = None, names: Iterable[str] | None = None) -> None:
+        self.module = module
+        self.dtype = dtype
+        self._names = set(names) if names is not None else None
+
+    def _params(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p) for n, p in self.module.named_parameters() if self._names is None or n in self._names]
+
+    def _metadata(self) -> list[ParamMeta]:
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        metas = []
+        for name, p in self._params():
+            owners = tuple(range(world)) if _is_dtensor(p) else (0,)
+            metas.append(ParamMeta(name, self.dtype or p.dtype, tuple(p.shape), owners, _placements(p)))
+        return metas
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        return t.to(self.dtype) if self.dtype is not None and t.dtype != self.dtype else t
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in self._params():
+            yield name, self._cast(p.full_tensor() if _is_dtensor(p) else p)
+
+    def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in self._params():
+            yield name, self._cast(p.to_local() if _is_dtensor(p) else p)
+
+
+class StateDictSource(WeightSource):
+    """{name: tensor} (or (name, tensor) pairs) as a WeightSource on one rank; for tests and scripts."""
+
+    def __init__(self, tensors, *, dtype: torch.dtype | None = None) -> None:
+        items = tensors.items() if hasattr(tensors, "items") else tensors
+        self.tensors = [(n, t.detach() if dtype is None else t.detach().to(dtype)) for n, t in items]
+
+    def _metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors]
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(list(self.tensors))
+
+    def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.iter_full()
+
+
+def as_source(source: "WeightSource | nn.Module | dict") -> WeightSource:
+    if isinstance(source, WeightSource):
+        return source
+    if isinstance(source, nn.Module):
+        return ModuleSource(source)
+    if isinstance(source, dict):
+        return StateDictSource(source)
+    raise ValueError(f"source: expected a WeightSource, an nn.Module or a {{name: tensor}} dict, got {type(source).__name__}")
+
+
+@dataclass
+class SyncStats:
+    """What one send_weights() did (filled on rank 0; other ranks report their own bytes)."""
+
+    backend: str
+    num_tensors: int = 0
+    bytes_sent: int = 0  # payload bytes that crossed the transport
+    dense_bytes: int = 0  # what a dense sync of the same tensors would have sent
+    seconds: float = 0.0
+    weight_version: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.dense_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class TrainerWeightTransferEngine(ABC):
+    """Trainer side of one backend. Every trainer rank constructs it and calls send_weights()
+    and shutdown(); rank 0 is the sender and the only rank that talks to the client."""
+
+    backend: ClassVar[str]
+
+    def __init__(self, init_info: Any, client, source: WeightSource | None, rank: int) -> None:
+        self.init_info = init_info
+        self.client = client
+        self.source = as_source(source) if source is not None else None
+        self.rank = rank
+
+    @classmethod
+    @abstractmethod
+    def trainer_init(cls, init_info: Any, *, client, source: "WeightSource | nn.Module | None" = None) -> "TrainerWeightTransferEngine":
+        """Sets the transport up on this rank and (rank 0) asks the engine to join it through `client`."""
+
+    @abstractmethod
+    def send_weights(self, source: "WeightSource | nn.Module | None" = None, *, weight_version: str | None = None) -> SyncStats:
+        """One full sync: start_weight_update, every tensor of the source, finish_weight_update.
+
+        Returns when the engine serves the new weights (under weight_version when given). On
+        any failure the engine keeps its previous weights and this raises naming the cause.
+        """
+
+    def shutdown(self) -> None:
+        """Tears the transport down on this rank (rank 0 also tells the engine)."""
+
+    def _source(self, source) -> WeightSource:
+        if source is not None:
+            return as_source(source)
+        if self.source is None:
+            raise ValueError("send_weights: no source; pass one here or to trainer_init")
+        return self.source
+
+
+_TRAINER_BACKENDS: dict[str, str | type[TrainerWeightTransferEngine]] = {
+    "local": "weight_transfer.local:LocalTrainerWeightTransferEngine",
+    "nccl": "weight_transfer.nccl:NCCLTrainerWeightTransferEngine",
+    "sparse_nccl": "weight_transfer.sparse_nccl:SparseNCCLTrainerWeightTransferEngine",
+    "ipc": "weight_transfer.ipc:IPCTrainerWeightTransferEngine",
+    "sharded_rdt": "weight_transfer.sharded_rdt:ShardedRDTTrainerWeightTransferEngine",
+}
+
+
+def register_trainer_backend(name: str, target: str | type[TrainerWeightTransferEngine]) -> None:
+    """Registers (or replaces) trainer backend `name` as a class or a lazy "module:Class" path."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("backend name must be a non-empty string")
+    if isinstance(target, str) and ":" not in target:
+        raise ValueError(f"backend {name!r}: target {target!r} must look like 'package.module:ClassName'")
+    _TRAINER_BACKENDS[name] = target
+
+
+def get_trainer_backend(name: str) -> type[TrainerWeightTransferEngine]:
+    target = _TRAINER_BACKENDS.get(name) if isinstance(name, str) else None
+    if target is None:
+        raise ValueError(f"backend: unknown trainer weight transfer backend {name!r}; known: {sorted(_TRAINER_BACKENDS)}")
+    if isinstance(target, str):
+        module_name, _, class_name = target.partition(":")
+        cls = getattr(importlib.import_module(module_name), class_name)
+        if not (isinstance(cls, type) and issubclass(cls, TrainerWeightTransferEngine)):
+            raise TypeError(f"backend {name!r}: {target} is not a TrainerWeightTransferEngine subclass")
+        _TRAINER_BACKENDS[name] = target = cls
+    return target
+
+
+def backend_of(init_info: Any) -> str:
+    """The backend name of a trainer init info: its `backend` class attribute or dict key."""
+    name = init_info.get("backend") if isinstance(init_info, dict) else getattr(init_info, "backend", None)
+    if not isinstance(name, str):
+        raise ValueError(f"init_info: cannot tell the backend of {init_info!r} (expected a backend init info or a dict with 'backend')")
+    return name
+
+
+def trainer_init(init_info: Any, *, client, source: "WeightSource | nn.Module | None" = None) -> TrainerWeightTransferEngine:
+    """Dispatches on init_info's backend: e.g. trainer_init(NCCLTrainerInitInfo(...), client=HTTPWeightSyncClient(url))."""
+    return get_trainer_backend(backend_of(init_info)).trainer_init(init_info, client=client, source=source)

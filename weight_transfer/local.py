@@ -1,5 +1,8 @@
 """The "local" backend: update_info carries the HF-named tensors themselves (in-process, over ZMQ, or base64 over HTTP).
 
+The simplest backend and the reference for the others: no transport to set up, so any client
+works (LocalWeightSyncClient with encoding "tensors", HTTPWeightSyncClient with "b64").
+
 init_info:   {"backend": "local"}
 update_info: {"weights": {hf_name: torch.Tensor | numpy.ndarray, ...}}
              CPU tensors and numpy arrays cross the EngineCore's ZMQ socket as zero-copy frames
@@ -14,13 +17,16 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import time
 import warnings
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 
-from weight_transfer.base import WeightTransferEngine, WeightUpdateInfo
+from weight_transfer.base import SyncStats, TrainerWeightTransferEngine, WeightTransferEngine, WeightUpdateInfo
 
 _B64_FIELDS = ("name", "dtype", "shape", "data_b64")
 
@@ -147,3 +153,78 @@ def make_update_info(named_tensors: Iterable[tuple[str, torch.Tensor]], encoding
     if encoding == "b64":
         return {"weights": encode_weights_b64(named_tensors)}
     raise ValueError(f"encoding: {encoding!r} is not supported; use 'tensors' or 'b64'")
+
+
+@dataclass(frozen=True)
+class LocalTrainerInitInfo:
+    """Trainer settings of the local backend: how tensors are encoded and how many bytes go per call."""
+
+    backend: ClassVar[str] = "local"
+    encoding: str = "tensors"  # "tensors" (in-process or ZMQ clients) or "b64" (HTTP)
+    max_bytes_per_call: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        if self.encoding not in ("tensors", "b64"):
+            raise ValueError(f"encoding: {self.encoding!r} is not supported; use 'tensors' or 'b64'")
+        if self.max_bytes_per_call < 1:
+            raise ValueError(f"max_bytes_per_call: must be >= 1, got {self.max_bytes_per_call}")
+
+
+class LocalTrainerWeightTransferEngine(TrainerWeightTransferEngine):
+    """Sends tensors inside update_info, in calls of at most max_bytes_per_call bytes (a bigger tensor goes alone)."""
+
+    backend = "local"
+
+    @classmethod
+    def trainer_init(cls, init_info, *, client, source=None) -> "LocalTrainerWeightTransferEngine":
+        if isinstance(init_info, dict):
+            init_info = LocalTrainerInitInfo(**{k: v for k, v in init_info.items() if k != "backend"})
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if rank == 0:
+            client.init_weight_transfer_engine({"backend": "local"})
+        return cls(init_info, client, source, rank)
+
+    def send_weights(self, source=None, *, weight_version: str | None = None) -> SyncStats:
+        source = self._source(source)
+        stats = SyncStats(self.backend, weight_version=weight_version)
+        start = time.perf_counter()
+        sender = self.rank == 0
+        if sender:
+            self.client.start_weight_update()
+        try:
+            batch: list[tuple[str, torch.Tensor]] = []
+            batch_bytes = 0
+            for name, tensor in source.iter_full():  # every rank iterates: a sharded source gathers here
+                if not sender:
+                    continue
+                nbytes = tensor.numel() * tensor.element_size()
+                if batch and batch_bytes + nbytes > self.init_info.max_bytes_per_call:
+                    self.client.update_weights(make_update_info(batch, self.init_info.encoding))
+                    batch, batch_bytes = [], 0
+                batch.append((name, tensor.detach().cpu()))
+                batch_bytes += nbytes
+                stats.num_tensors += 1
+                stats.bytes_sent += nbytes
+            if sender and batch:
+                self.client.update_weights(make_update_info(batch, self.init_info.encoding))
+        except BaseException:
+            if sender:
+                _abort_quietly(self.client)
+            raise
+        if sender:
+            self.client.finish_weight_update(weight_version)
+        stats.dense_bytes = stats.bytes_sent
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def shutdown(self) -> None:
+        if self.rank == 0:
+            self.client.shutdown_weight_transfer_engine()
+
+
+def _abort_quietly(client) -> None:
+    """Tells the engine to drop a half-done update; the original error is the one worth raising."""
+    try:
+        client.abort_weight_update()
+    except Exception:  # the engine may be the thing that failed
+        pass

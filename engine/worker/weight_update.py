@@ -1,19 +1,26 @@
-"""WeightUpdater: the worker's weight-update lifecycle, validation, checksums and HF-name view of the model.
+"""WeightUpdater: the worker's weight-update lifecycle, validation, rollback, checksums and HF-name view of the model.
 
-Lifecycle (enforced; misuse raises RuntimeError, bad input ValueError):
+Lifecycle (enforced; misuse raises WeightUpdateStateError, bad input ValueError):
 
     init_transfer_engine(init_info)     -> ready      (again when ready: replaces the transfer engine)
     start_update()                      -> updating
-    update_weights(update_info) * N        (each call is atomic, see below)
-    finish_update()                     -> ready
-    shutdown()                          -> not initialized (an update in progress is abandoned)
+    update_weights(update_info) * N        (each call atomic, see below)
+    finish_update()                     -> ready      (the new weights serve)
+    abort_update()                      -> ready      (the weights of before start_update serve)
+    shutdown()                          -> not initialized (an update in progress is aborted)
 
-Atomicity is per update_weights call: the call's tensor metadata is checked before anything is
-received, then every received tensor is checked (known HF name, the HF shape of that name,
-a floating dtype, finite values), and only if all pass do they land through the model's own
-weight loaders (`model.load_weights`, which maps q/k/v and gate/up onto the fused parameters).
-A rejected call changes no weight and names every bad tensor with its reason. The copies are
-in place, so parameter addresses (and CUDA graphs that recorded them) stay valid.
+Landing streams: the call's announced metadata is checked before anything is received; then
+each (name, tensor or SparseWeightPatch) the backend yields is checked (known HF name, that
+name's shape, a floating dtype, finite values) and landed through the model's own weight
+loaders (`model.load_weights`, which maps q/k/v and gate/up onto the fused parameters) before
+the next one is pulled, so a backend can reuse its receive buffer and memory stays bounded.
+Before a weight is first overwritten in an update its old value is kept (on the device, on
+the CPU, or not at all: `weight_update_rollback`), which makes two guarantees possible:
+  - a call that fails validation restores what it changed ("no weight was changed") and the
+    update stays in progress;
+  - a transfer that fails (the backend raises: dead peer, timeout) restores every weight the
+    update changed and ends the update (WeightTransferError names the tensor it was on).
+Copies are in place, so parameter addresses (and CUDA graphs that recorded them) stay valid.
 """
 
 from __future__ import annotations
@@ -24,9 +31,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.exceptions import WeightUpdateStateError
+from engine.exceptions import WeightTransferError, WeightUpdateStateError
 from engine.models.layers import MergedLinear, QKVLinear
-from weight_transfer.base import WeightTransferEngine, get_engine_backend
+from weight_transfer.base import SparseWeightPatch, WeightTransferEngine, get_engine_backend
 from weight_transfer.checksums import compare_checksums, tensor_checksum
 
 logger = logging.getLogger(__name__)
@@ -98,15 +105,20 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class WeightUpdater:
-    """Owns the transfer engine and the update state of one worker's model."""
+    """Owns the transfer engine, the update state and the rollback copies of one worker's model."""
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, rollback: str = "device") -> None:
         self.model = model
         self.device = device
+        self.rollback = rollback
         self.layout = hf_weight_layout(model)
         self.transfer_engine: WeightTransferEngine | None = None
         self.backend: str | None = None
         self.updating = False
+        # False after a failed transfer that could not be rolled back (rollback "none"): the
+        # weights are a mix and must not serve until an update finishes.
+        self.consistent = True
+        self._saved: dict[str, torch.Tensor] = {}  # hf name -> value before this update (rollback copies)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -129,36 +141,114 @@ class WeightUpdater:
         if self.updating:
             raise WeightUpdateStateError("start_weight_update: a weight update is already in progress; call finish_weight_update first")
         engine.start_update()
+        self._saved = {}
         self.updating = True
 
     def update_weights(self, update_info: dict) -> int:
-        """Receives, validates and lands one batch of tensors; returns how many were received."""
+        """Receives, validates and lands one batch of tensors or patches; returns how many were received."""
         engine = self._require_engine("update_weights")
         if not self.updating:
             raise WeightUpdateStateError("update_weights: no weight update in progress; call start_weight_update first")
         self._require_resident("update_weights")
         info = engine.parse_update_info(update_info)
         self._validate(list(zip(info.names, info.dtypes, info.shapes)))  # before anything moves
-        weights = list(engine.receive_weights(info))
-        self._validate([(n, t.dtype, tuple(t.shape)) for n, t in weights], tensors=[t for _, t in weights])
+        first_saved_here: list[str] = []  # rollback copies this call made (restored if it fails)
+        resaved: dict[str, torch.Tensor] = {}  # call-start values of weights an earlier call changed
+        name = None
+        count = 0
         try:
-            with torch.no_grad():
-                self.model.load_weights(self._resolve_aliases(weights))
-        except Exception as e:  # validation should make this unreachable (short of running out of memory)
-            raise RuntimeError(f"update_weights: loading failed after validation; weights may be partly updated: {e}") from e
-        return len(weights)
+            for name, item in engine.receive_weights(info):
+                self._check_received(name, item)
+                target = self._landing_name(name)
+                if target is not None:
+                    if target not in self._saved:
+                        self._save(target)
+                        first_saved_here.append(target)
+                    elif target not in resaved and self.rollback != "none":
+                        resaved[target] = self.layout[target].tensor().clone()
+                    self._land(target, item)
+                count += 1
+        except ValueError as e:  # a received tensor failed validation: undo this call only
+            self._restore(first_saved_here, resaved)
+            raise ValueError(f"weight update rejected, no weight was changed: {e}") from None
+        except Exception as e:  # the transfer failed: undo the whole update and end it
+            where = f" at {name!r}" if name is not None else " before the first tensor arrived"
+            restored = self._abort()
+            raise WeightTransferError(
+                f"update_weights: the transfer failed{where}: {type(e).__name__}: {e}; "
+                + ("the update was aborted and the previous weights restored" if restored
+                   else "the update was aborted; weights are partly updated (weight_update_rollback=none) "
+                        "and the engine serves nothing until an update finishes")
+            ) from e
+        return count
 
     def finish_update(self) -> None:
         engine = self._require_engine("finish_weight_update")
         if not self.updating:
             raise WeightUpdateStateError("finish_weight_update: no weight update in progress; call start_weight_update first")
         self.updating = False
+        self._saved = {}
+        self.consistent = True
         engine.finish_update()
 
+    def abort_update(self) -> bool:
+        """Ends an update in progress, restoring the weights of before start_update; False if none was in progress."""
+        if not self.updating:
+            return False
+        self._abort()
+        return True
+
     def shutdown(self) -> None:
+        if self.updating:
+            self._abort()
         if self.transfer_engine is not None:
             self.transfer_engine.shutdown()
         self.transfer_engine, self.backend, self.updating = None, None, False
+
+    # ---- landing and rollback ------------------------------------------------------------------
+
+    def _landing_name(self, name: str) -> str | None:
+        """The layout name a received tensor lands under (a tied alias lands in its owner); None: ignored."""
+        if name.endswith(_IGNORED_SUFFIXES):
+            return None
+        return self.layout[name].alias_of or name
+
+    def _save(self, name: str) -> None:
+        if self.rollback == "none":
+            self._saved[name] = None  # type: ignore[assignment]  # touched, nothing kept
+            return
+        current = self.layout[name].tensor()
+        self._saved[name] = current.to("cpu", copy=True) if self.rollback == "cpu" else current.clone()
+
+    def _land(self, name: str, item: torch.Tensor | SparseWeightPatch) -> None:
+        with torch.no_grad():
+            if isinstance(item, SparseWeightPatch):
+                # The HF slot is the loaders' inverse: the patched coordinates land in the right rows of a fused parameter.
+                flat = self.layout[name].tensor().view(-1)
+                flat[item.indices.to(flat.device, torch.long)] = item.values.to(flat.device, flat.dtype)
+            else:
+                self.model.load_weights([(name, item)])
+
+    def _restore(self, first_saved: list[str], resaved: dict[str, torch.Tensor]) -> bool:
+        """Puts back the given weights; False when rollback copies were not kept."""
+        if self.rollback == "none" and first_saved:
+            return False
+        with torch.no_grad():
+            for name in first_saved:
+                self.layout[name].tensor().copy_(self._saved.pop(name))
+            for name, value in resaved.items():
+                self.layout[name].tensor().copy_(value)
+        return True
+
+    def _abort(self) -> bool:
+        """Restores every weight changed since start_update and ends the update; False if it could not."""
+        restored = self._restore(list(self._saved), {})
+        self.consistent = restored or not self._saved
+        self._saved = {}
+        self.updating = False
+        if self.transfer_engine is not None:
+            self.transfer_engine.abort_update()
+        return restored
 
     def _require_resident(self, method: str) -> None:
         if any(tuple(slot.param.shape) != slot.param_shape for slot in self.layout.values()):
@@ -171,46 +261,48 @@ class WeightUpdater:
 
     # ---- validation ----------------------------------------------------------------------------
 
-    def _validate(
-        self, metadata: list[tuple[str, torch.dtype, tuple[int, ...]]], tensors: list[torch.Tensor] | None = None
-    ) -> None:
-        """Raises one ValueError listing every bad tensor as `name: reason`; checks values when given tensors."""
+    def _validate(self, metadata: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+        """Raises one ValueError listing every bad announced tensor as `name: reason`."""
         problems: list[str] = []
         seen: set[str] = set()
-        for i, (name, dtype, shape) in enumerate(metadata):
+        for name, dtype, shape in metadata:
             if name in seen:
                 problems.append(f"{name!r}: sent twice in one update")
                 continue
             seen.add(name)
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            slot = self.layout.get(name)
-            if slot is None:
-                problems.append(f"{name!r}: matches no parameter of the model (HF naming expected)")
-                continue
-            if tuple(shape) != slot.shape:
-                problems.append(f"{name!r}: shape {list(shape)} does not match the model's {list(slot.shape)}")
-            if not dtype.is_floating_point:
-                problems.append(f"{name!r}: dtype {_dtype_name(dtype)} is not a floating-point dtype")
-            elif tensors is not None and not bool(torch.isfinite(tensors[i]).all()):
-                problems.append(f"{name!r}: contains NaN or inf")
+            problems += self._problems(name, dtype, shape)
         if problems:
             shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
             raise ValueError("weight update rejected, no weight was changed: " + "; ".join(shown))
 
-    def _resolve_aliases(self, weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """A tied alias (lm_head.weight) lands in its owner unless the owner came in the same call."""
-        names = {n for n, _ in weights}
-        resolved = []
-        for name, tensor in weights:
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            owner = self.layout[name].alias_of
-            if owner is None:
-                resolved.append((name, tensor))
-            elif owner not in names:
-                resolved.append((owner, tensor))
-        return resolved
+    def _problems(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], tensor: torch.Tensor | None = None) -> list[str]:
+        if name.endswith(_IGNORED_SUFFIXES):
+            return []
+        slot = self.layout.get(name)
+        if slot is None:
+            return [f"{name!r}: matches no parameter of the model (HF naming expected)"]
+        problems = []
+        if tuple(shape) != slot.shape:
+            problems.append(f"{name!r}: shape {list(shape)} does not match the model's {list(slot.shape)}")
+        if not dtype.is_floating_point:
+            problems.append(f"{name!r}: dtype {_dtype_name(dtype)} is not a floating-point dtype")
+        elif tensor is not None and not bool(torch.isfinite(tensor).all()):
+            problems.append(f"{name!r}: contains NaN or inf")
+        return problems
+
+    def _check_received(self, name: str, item: torch.Tensor | SparseWeightPatch) -> None:
+        """Checks one received tensor or patch against the model; ValueError names it."""
+        if isinstance(item, SparseWeightPatch):
+            slot = self.layout.get(name)
+            if slot is None:
+                raise ValueError(f"{name!r}: matches no parameter of the model (HF naming expected)")
+            if tuple(item.full_shape) != slot.shape:
+                raise ValueError(f"{name!r}: patch shape {list(item.full_shape)} does not match the model's {list(slot.shape)}")
+            item.validate()
+            return
+        problems = self._problems(name, item.dtype, tuple(item.shape), item)
+        if problems:
+            raise ValueError("; ".join(problems))
 
     # ---- inspection ----------------------------------------------------------------------------
 

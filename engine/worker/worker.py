@@ -62,7 +62,7 @@ class Worker:
             max_model_len=max_model_len,
         )
         # Built while the weights are resident: it records their shapes (sleep mode may empty them).
-        self.weight_updater = WeightUpdater(self.model, self.device)
+        self.weight_updater = WeightUpdater(self.model, self.device, config.fault_tolerance.weight_update_rollback)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -131,6 +131,9 @@ class Worker:
 
     def finish_weight_update(self) -> None:
         self.weight_updater.finish_update()
+
+    def abort_weight_update(self) -> bool:
+        return self.weight_updater.abort_update()
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.weight_updater.shutdown()

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.exceptions import AdmissionError, EngineDeadError, EngineNotReadyError
+from engine.exceptions import AdmissionError, EngineDeadError, EngineNotReadyError, WeightTransferError
 from rollout.server import protocol as P
 from rollout.server.streams import ClientDisconnected
 
@@ -111,6 +111,11 @@ def add_exception_handlers(app: FastAPI) -> None:
         response = error_response(503, f"{exc}; retry later")
         response.headers["Retry-After"] = "1"
         return response
+
+    @app.exception_handler(WeightTransferError)
+    async def _transfer_failed(request: Request, exc: WeightTransferError) -> JSONResponse:
+        # The trainer side of a transfer failed or stalled; the engine restored its previous weights.
+        return error_response(500, f"weight transfer failed: {exc}")
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:

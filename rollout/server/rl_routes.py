@@ -113,6 +113,11 @@ def rl_router(engine) -> APIRouter:
         await engine.finish_weight_update(body.weight_version if body is not None else None)
         return {"weight_version": await engine.get_weight_version()}
 
+    @router.post("/abort_weight_update")
+    async def abort_weight_update() -> dict:
+        aborted = await engine.abort_weight_update()
+        return {"aborted": bool(aborted), "weight_version": await engine.get_weight_version()}
+
     @router.post("/shutdown_weight_transfer_engine")
     async def shutdown_weight_transfer_engine() -> dict:
         await engine.shutdown_weight_transfer_engine()

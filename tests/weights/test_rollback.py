@@ -1,0 +1,200 @@
+"""Weight-update safety in the worker: a failed transfer or an abort restores the old weights, and nothing runs mid-update."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM
+from engine.core.scheduler import PauseState
+from engine.exceptions import WeightTransferError
+from engine.wire import EngineCoreRequest
+from weight_transfer.base import SparseWeightPatch, WeightTransferEngine, WeightUpdateInfo, register_engine_backend
+from weight_transfer.checksums import hf_state_checksums
+from weight_transfer.local import make_update_info
+
+from weight_helpers import PROMPTS, engine_greedy, hf_greedy, hf_model, read_state
+
+# What the test backend below delivers: set by each test before its update_weights calls.
+_DELIVERIES: dict[str, torch.Tensor | SparseWeightPatch] = {}
+
+
+class ScriptedBackend(WeightTransferEngine):
+    """Yields the announced names from _DELIVERIES and raises ConnectionError at `fail_at` (a dead peer)."""
+
+    def parse_init_info(self, init_info: dict) -> dict:
+        return init_info
+
+    def init_transfer(self, init_info: dict) -> None:
+        self.aborted = 0
+
+    def parse_update_info(self, update_info: dict) -> WeightUpdateInfo:
+        names = update_info["names"]
+        items = [_DELIVERIES[n] for n in names]
+        return WeightUpdateInfo(
+            names=names,
+            dtypes=[i.values.dtype if isinstance(i, SparseWeightPatch) else i.dtype for i in items],
+            shapes=[tuple(i.full_shape) if isinstance(i, SparseWeightPatch) else tuple(i.shape) for i in items],
+            extra={"fail_at": update_info.get("fail_at")},
+        )
+
+    def receive_weights(self, info: WeightUpdateInfo):
+        for i, name in enumerate(info.names):
+            if i == info.extra["fail_at"]:
+                raise ConnectionError("peer closed the connection")
+            yield name, _DELIVERIES[name]
+
+    def abort_update(self) -> None:
+        self.aborted += 1
+
+
+register_engine_backend("scripted", ScriptedBackend)
+
+
+def _llm(path, **kwargs) -> LLM:
+    return LLM(path, dtype="float32", device="cpu", max_model_len=128, enable_prefix_caching=True, **kwargs)
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def old_new(checkpoints):
+    old, new = checkpoints("llama")
+    return old, hf_greedy(hf_model(old)), read_state(new)
+
+
+@pytest.mark.parametrize("rollback", ["device", "cpu"])
+def test_failed_transfer_restores_every_weight_of_the_update_and_ends_it(old_new, rollback):
+    path, old_expected, new_state = old_new
+    llm = _llm(path, weight_update_rollback=rollback)
+    core = llm.engine_core
+    before = core.weight_checker()["checksums"]
+    names = sorted(new_state)
+    _DELIVERIES.clear()
+    _DELIVERIES.update(new_state)
+    core.init_weight_transfer_engine({"backend": "scripted"})
+    core.start_weight_update()
+    assert core.update_weights({"names": names[:6]}) == 6  # lands
+    with pytest.raises(WeightTransferError, match=rf"failed at {names[8]!r}: ConnectionError: peer closed.*previous weights restored"):
+        core.update_weights({"names": names[6:], "fail_at": 3})  # 6, 7, 8 land, then the peer dies
+    assert core.weight_checker()["checksums"] == before  # the first call's weights came back too
+    assert core.executor.worker.weight_updater.transfer_engine.aborted == 1
+    assert core.scheduler.pause_state == PauseState.UNPAUSED  # the update is over: serving again
+    assert _tokens(engine_greedy(llm)) == old_expected
+    assert core.get_weight_version() == "default"
+    core.start_weight_update()  # a new update can start
+    assert core.update_weights({"names": names}) == len(names)
+    core.finish_weight_update("v2")
+    assert core.weight_checker(hf_state_checksums(new_state))["match"]
+
+
+def test_abort_restores_the_old_weights_and_keeps_the_version(old_new):
+    path, old_expected, new_state = old_new
+    llm = _llm(path)
+    core = llm.engine_core
+    before = core.weight_checker()["checksums"]
+    core.init_weight_transfer_engine({"backend": "local"})
+    assert core.abort_weight_update() is False  # nothing in progress
+    core.start_weight_update()
+    core.update_weights(make_update_info(new_state.items()))
+    assert core.weight_checker()["checksums"] != before
+    assert core.abort_weight_update() is True
+    assert core.weight_checker()["checksums"] == before
+    assert _tokens(engine_greedy(llm)) == old_expected
+    assert core.get_weight_version() == "default"
+
+
+def test_nothing_is_scheduled_while_an_update_is_in_progress(old_new):
+    path, _, new_state = old_new
+    llm = _llm(path)
+    core = llm.engine_core
+    core.init_weight_transfer_engine({"backend": "local"})
+    core.start_weight_update()
+    assert core.scheduler.pause_state == PauseState.PAUSED_ALL
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    core.add_request(EngineCoreRequest("r0", PROMPTS[0], params, eos_token_id=None))  # queues, not refused
+    for _ in range(3):
+        assert core.step().outputs == []  # half-updated weights never run
+    core.update_weights(make_update_info(new_state.items()))
+    core.finish_weight_update("v1")
+    outputs = []
+    while core.has_unfinished_requests():
+        outputs += core.step().outputs
+    new_hf = hf_model(path)
+    new_hf.load_state_dict(new_state)
+    assert [t for o in outputs for t in o.new_token_ids] == hf_greedy(new_hf, PROMPTS[:1], 4)[0]
+
+
+def test_failed_transfer_without_rollback_holds_the_engine_until_an_update_finishes(old_new):
+    path, _, new_state = old_new
+    llm = _llm(path, weight_update_rollback="none")
+    core = llm.engine_core
+    names = sorted(new_state)
+    _DELIVERIES.clear()
+    _DELIVERIES.update(new_state)
+    core.init_weight_transfer_engine({"backend": "scripted"})
+    core.start_weight_update()
+    with pytest.raises(WeightTransferError, match="partly updated"):
+        core.update_weights({"names": names, "fail_at": 4})
+    assert core.scheduler.pause_state == PauseState.PAUSED_ALL  # a mix must not serve
+    core.start_weight_update()
+    core.update_weights({"names": names})
+    core.finish_weight_update()
+    assert core.scheduler.pause_state == PauseState.UNPAUSED
+    assert core.weight_checker(hf_state_checksums(new_state))["match"]
+
+
+def test_sparse_patches_land_like_the_dense_tensor_they_describe(old_new):
+    """Patches of fused (q/k/v, gate/up) and tied-free tensors end bit-identical to a dense update."""
+    path, _, new_state = old_new
+    dense_llm, sparse_llm = _llm(path), _llm(path)
+    old_state = read_state(path)
+    gen = torch.Generator().manual_seed(0)
+    patched = {}
+    _DELIVERIES.clear()
+    for name in ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight", "model.norm.weight"]:
+        flat = old_state[name].clone().reshape(-1)
+        idx = torch.randperm(flat.numel(), generator=gen)[: max(1, flat.numel() // 50)].to(torch.int32)
+        values = torch.randn(idx.numel(), generator=gen)
+        flat[idx.long()] = values
+        patched[name] = flat.reshape(old_state[name].shape)
+        _DELIVERIES[name] = SparseWeightPatch(name, idx, values, tuple(old_state[name].shape))
+    for llm, info in ((dense_llm, make_update_info(patched.items())), (sparse_llm, {"names": sorted(patched)})):
+        core = llm.engine_core
+        core.init_weight_transfer_engine({"backend": "local" if llm is dense_llm else "scripted"})
+        core.start_weight_update()
+        core.update_weights(info)
+        core.finish_weight_update()
+    dense = dense_llm.engine_core.weight_checker()["checksums"]
+    assert sparse_llm.engine_core.weight_checker(dense)["match"]
+    assert dense != hf_state_checksums(old_state)
+
+
+@pytest.mark.parametrize(
+    "patch,message",
+    [
+        (lambda s: SparseWeightPatch("model.norm.weight", torch.tensor([0, 64], dtype=torch.int32), torch.ones(2), (64,)), "out of range"),
+        (lambda s: SparseWeightPatch("model.norm.weight", torch.tensor([3, 3], dtype=torch.int32), torch.ones(2), (64,)), "not unique"),
+        (lambda s: SparseWeightPatch("model.norm.weight", torch.tensor([1], dtype=torch.int32), torch.tensor([float("nan")]), (64,)), "NaN"),
+        (lambda s: SparseWeightPatch("model.norm.weight", torch.tensor([1], dtype=torch.int64), torch.ones(1), (64,)), "int32"),
+        (lambda s: SparseWeightPatch("model.norm.weight", torch.tensor([1], dtype=torch.int32), torch.ones(1), (65,)), r"shape \[65\] does not match"),
+    ],
+)
+def test_bad_patches_are_refused_naming_the_tensor_and_change_nothing(old_new, patch, message):
+    path, _, new_state = old_new
+    llm = _llm(path)
+    core = llm.engine_core
+    before = core.weight_checker()["checksums"]
+    _DELIVERIES.clear()
+    _DELIVERIES["model.layers.0.mlp.up_proj.weight"] = new_state["model.layers.0.mlp.up_proj.weight"]
+    _DELIVERIES["model.norm.weight"] = patch(new_state)
+    core.init_weight_transfer_engine({"backend": "scripted"})
+    core.start_weight_update()
+    with pytest.raises(ValueError, match=rf"no weight was changed.*model\.norm\.weight.*{message}"):
+        core.update_weights({"names": ["model.layers.0.mlp.up_proj.weight", "model.norm.weight"]})
+    assert core.weight_checker()["checksums"] == before  # the good tensor of the call was undone too
+    core.finish_weight_update()

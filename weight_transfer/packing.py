@@ -1,0 +1,114 @@
+"""Packing plans: which tensors share which transfer buffer at which byte offset, computed identically on both sides.
+
+A sender and a receiver that agree on the tensor list (names, dtypes, shapes, in order) and
+the buffer size compute the same plan, so update_info only needs the list. Tensors go into
+buffers in order, each at an offset aligned to ALIGN bytes (so a view of any dtype is
+aligned); a tensor larger than one buffer gets a pack of its own, as large as it is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+ALIGN = 256
+
+
+@dataclass(frozen=True)
+class PackSlot:
+    index: int  # position in the tensor list
+    offset: int  # byte offset in the pack's buffer
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Pack:
+    slots: tuple[PackSlot, ...]
+    nbytes: int  # bytes of the buffer in use (end of the last slot)
+
+
+def plan_packs(sizes: Sequence[int], buffer_size: int) -> list[Pack]:
+    """Greedy in-order packing of tensors of `sizes` bytes into buffers of buffer_size bytes."""
+    if buffer_size < ALIGN:
+        raise ValueError(f"buffer size: {buffer_size} bytes is too small (at least {ALIGN})")
+    packs: list[Pack] = []
+    slots: list[PackSlot] = []
+    used = 0
+    for index, size in enumerate(sizes):
+        start = _align(used)
+        if slots and start + size > buffer_size:
+            packs.append(Pack(tuple(slots), used))
+            slots, start = [], 0
+        slots.append(PackSlot(index, start, size))
+        used = start + size
+    if slots:
+        packs.append(Pack(tuple(slots), used))
+    return packs
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def nbytes_of(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (a copy first if it is not contiguous)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def copy_into(buffer: torch.Tensor, slot: PackSlot, tensor: torch.Tensor) -> None:
+    """Copies tensor's bytes into buffer[slot.offset : slot.offset + slot.nbytes] (any device to any device)."""
+    src = as_bytes(tensor)
+    if src.numel() != slot.nbytes:
+        raise ValueError(f"pack slot {slot.index}: tensor has {src.numel()} bytes, the plan says {slot.nbytes}")
+    buffer[slot.offset : slot.offset + slot.nbytes].copy_(src, non_blocking=True)
+
+
+def view_of(buffer: torch.Tensor, slot: PackSlot, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """The tensor stored at `slot` of a uint8 buffer, as a view (no copy)."""
+    return buffer[slot.offset : slot.offset + slot.nbytes].view(dtype).reshape(tuple(shape))
+
+
+# ---- dtype names on the wire (JSON): "bfloat16", "float32", ... ---------------------------------
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: object, where: str) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{where}: {name!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
+    return dtype
+
+
+def parse_tensor_list(update_info: dict, where: str = "update_info") -> tuple[list[str], list[torch.dtype], list[tuple[int, ...]]]:
+    """Checks and decodes {"names": [...], "dtypes": [...], "shapes": [[...], ...]} (same lengths)."""
+    for key in ("names", "dtypes", "shapes"):
+        if not isinstance(update_info.get(key), list):
+            raise ValueError(f"{where}.{key}: expected a list, got {type(update_info.get(key)).__name__}")
+    names, dtypes, shapes = update_info["names"], update_info["dtypes"], update_info["shapes"]
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ValueError(f"{where}: {len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes; they must match")
+    parsed_shapes = []
+    for i, shape in enumerate(shapes):
+        if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ValueError(f"{where}.shapes[{i}] ({names[i]!r}): expected a list of non-negative ints, got {shape!r}")
+        parsed_shapes.append(tuple(shape))
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where}.names[{i}]: expected a non-empty string, got {name!r}")
+    parsed_dtypes = [parse_dtype(d, f"{where}.dtypes[{i}] ({names[i]!r})") for i, d in enumerate(dtypes)]
+    return list(names), parsed_dtypes, parsed_shapes
+
+
+def tensor_list(names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]) -> dict:
+    """The JSON form parse_tensor_list reads."""
+    return {"names": list(names), "dtypes": [dtype_name(d) for d in dtypes], "shapes": [list(s) for s in shapes]}
