@@ -234,7 +234,7 @@ def build_app(engine, server_config: ServerConfig, model_name: str | None = None
     app.include_router(_api_routes(state), dependencies=auth)
     # Control routes exist only when asked for (DESIGN.md: RL and weight routes are off by default).
     if server_config.enable_rl_routes:
-        app.include_router(rl_router(engine), dependencies=auth)
+        app.include_router(rl_router(engine, server_config.weight_transfer_backend), dependencies=auth)
     if engine.config.fault_tolerance.enable_fault_tolerance:
         app.include_router(fault_tolerance_router(engine), dependencies=auth)
     return app

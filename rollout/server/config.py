@@ -29,7 +29,17 @@ class ServerConfig:
     enable_rl_routes: bool = False
     """Serve the RL control routes (/pause, /resume, /sleep, /wake_up, /abort_requests, weight updates...); they change what everyone gets, so keep them behind --api-key or a private network."""
 
+    weight_transfer_backend: str | None = None
+    """The weight-sync backend /init_weight_transfer_engine accepts (local, nccl, sparse_nccl, ipc, sharded_rdt); unset: any of them."""
+
     def __post_init__(self) -> None:
+        if self.weight_transfer_backend is not None:
+            from weight_transfer.base import known_engine_backends
+
+            if self.weight_transfer_backend not in known_engine_backends():
+                raise ValueError(
+                    f"weight_transfer_backend must be one of {known_engine_backends()}, got {self.weight_transfer_backend!r}"
+                )
         if not self.host:
             raise ValueError("host must not be empty")
         if not 0 <= self.port <= 65535:

@@ -57,7 +57,7 @@ class FaultToleranceApplyRequest(RequestModel):
 # ---------------------------------------------------------------------------- routers
 
 
-def rl_router(engine) -> APIRouter:
+def rl_router(engine, weight_transfer_backend: str | None = None) -> APIRouter:
     """The RL control routes over `engine` (an AsyncLLM)."""
     router = APIRouter(tags=["rl"])
 
@@ -95,6 +95,12 @@ def rl_router(engine) -> APIRouter:
 
     @router.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(body: InitWeightTransferRequest) -> dict:
+        backend = body.init_info.get("backend")
+        if weight_transfer_backend is not None and backend != weight_transfer_backend:
+            raise ValueError(
+                f"init_info.backend: this server takes weight_transfer_backend {weight_transfer_backend!r} "
+                f"(--weight-transfer-backend), got {backend!r}"
+            )
         await engine.init_weight_transfer_engine(body.init_info)
         return {}
 

@@ -110,6 +110,30 @@ def test_rl_routes_are_404_unless_enabled(launch_server, tiny_checkpoint):
     plain.stop()
 
 
+def test_weight_transfer_backend_flag_limits_init_and_abort_restores(launch_server, tiny_checkpoint):
+    from safetensors.torch import load_file
+
+    from weight_transfer.local import make_update_info
+
+    server = launch_server(tiny_checkpoint("llama"), "--enable-rl-routes", "--weight-transfer-backend", "local")
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        _assert_error(c.post("/init_weight_transfer_engine", json={"init_info": {"backend": "nccl"}}), 400,
+                      "init_info.backend", "'local'")
+        assert c.post("/init_weight_transfer_engine", json={"init_info": {"backend": "local"}}).status_code == 200
+        before = c.post("/weight_checker").json()["checksums"]
+        assert c.post("/abort_weight_update").json() == {"aborted": False, "weight_version": "default"}
+        assert c.post("/start_weight_update").status_code == 200
+        new = load_file(f"{tiny_checkpoint('llama', seed=1)}/model.safetensors")
+        r = c.post("/update_weights", json={"update_info": make_update_info(new.items(), "b64")})
+        assert r.status_code == 200, r.text
+        assert c.post("/weight_checker").json()["checksums"] != before
+        assert c.post("/abort_weight_update").json() == {"aborted": True, "weight_version": "default"}
+        assert c.post("/weight_checker").json()["checksums"] == before
+        r = c.post("/v1/completions", json={"model": server.served_model, "prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 200, r.text  # serving again after the abort
+    server.stop()
+
+
 def test_fault_tolerance_routes_are_mounted_by_their_own_flag(launch_server, tiny_checkpoint):
     ft = launch_server(tiny_checkpoint("llama"), "--enable-fault-tolerance", "--api-key", API_KEY)
     with httpx.Client(base_url=ft.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
