@@ -236,7 +236,7 @@ def layerwise_groups(names: Iterable[str]) -> list[list[str]]:
 
 
 def _placements(param: torch.Tensor) -> tuple[str, ...]:
-    return tuple(str(p) for p in param.placements) if _is_dtensor(param) else ()
+    return tuple(repr(p) for p in param.placements) if _is_dtensor(param) else ()
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

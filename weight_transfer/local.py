@@ -194,13 +194,16 @@ class LocalTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         try:
             batch: list[tuple[str, torch.Tensor]] = []
             batch_bytes = 0
-            for name, tensor in source.iter_full():  # every rank iterates: a sharded source gathers here
+            tensors = source.iter_full()  # every rank iterates: a sharded source gathers here
+            for meta in source.metadata:
+                # Flush before gathering a tensor that would overflow the call: at most one call's bytes are held.
+                if sender and batch and batch_bytes + meta.nbytes > self.init_info.max_bytes_per_call:
+                    self.client.update_weights(make_update_info(batch, self.init_info.encoding))
+                    batch, batch_bytes = [], 0
+                name, tensor = next(tensors)
                 if not sender:
                     continue
                 nbytes = tensor.numel() * tensor.element_size()
-                if batch and batch_bytes + nbytes > self.init_info.max_bytes_per_call:
-                    self.client.update_weights(make_update_info(batch, self.init_info.encoding))
-                    batch, batch_bytes = [], 0
                 batch.append((name, tensor.detach().cpu()))
                 batch_bytes += nbytes
                 stats.num_tensors += 1
