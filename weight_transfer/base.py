@@ -56,6 +56,11 @@ class WeightTransferEngine(ABC):
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
+    def bind_model(self, model: nn.Module) -> None:
+        """Called once, before init_transfer, with the model this worker serves. A backend may plan
+        against its weight loaders (sharded_rdt records which slices this worker consumes); it never
+        changes the model."""
+
     @abstractmethod
     def parse_init_info(self, init_info: dict) -> Any:
         """Checks and decodes init_info (as sent by a client); raises ValueError naming a bad field."""

@@ -131,6 +131,7 @@ class WeightUpdater:
         if not isinstance(backend, str):
             raise ValueError(f"init_info.backend: expected a backend name, got {backend!r}")
         engine = get_engine_backend(backend)(self.device)
+        engine.bind_model(self.model)
         engine.init_transfer(engine.parse_init_info(init_info))
         if self.transfer_engine is not None:
             self.transfer_engine.shutdown()
