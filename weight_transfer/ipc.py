@@ -1,0 +1,994 @@
+"""The "ipc" backend: a trainer and an engine on the same device share packed buffers (CUDA IPC, or POSIX shared memory on CPU).
+
+The trainer's sender (rank 0) packs the tensors (packing.plan_packs) into a ring of
+`packed_num_buffers` buffers on its device, plus one buffer of its own for tensors larger than
+a buffer. Each buffer is exported once (a CUDA IPC handle of its storage, or a named segment in
+/dev/shm on CPU) and each engine worker opens it once and caches it by (slot, generation), so
+later syncs pay neither cost. Handles travel in JSON (ints, strings, base64 for bytes); nothing
+is ever unpickled, so the same update_info works in-process, over Ray and over HTTP.
+
+One update_weights call per pack, posted in the background *before* the trainer fills the
+buffer, so the call's round trip overlaps the copy; the engine waits until the buffer's ready
+word in a small shared control block says the pack is complete, yields views into the buffer
+(the worker lands each before it pulls the next) and synchronizes before the call returns.
+The trainer refills a buffer only after the call that read it returned, and keeps at most
+packed_num_buffers calls in flight.
+
+    engine init_info:  {"backend": "ipc", "control": "<segment name>", "host": "cpu:<boot id>",
+                        "timeout_s": float, "keep_buffers": bool}
+    update_info:       {"names": [...], "dtypes": [...], "shapes": [...],   (packing.tensor_list: one pack)
+                        "buffer_size": int,                               (packing.plan_packs' buffer size)
+                        "slot": int, "seq": int,                          (which buffer, which fill of it)
+                        "buffer": {device_key: {"slot", "gen", "capacity", "handle": {...}}}}
+    handle (CPU):      {"kind": "shm", "name": "wt-ipc-..."}
+    handle (CUDA):     {"kind": "cuda", "handle_b64", "storage_size", "storage_offset", "ref_counter_b64",
+                        "ref_counter_offset", "event_b64", "event_sync_required"}
+
+device_key is "cuda:<device uuid>" (CUDA_VISIBLE_DEVICES may number a GPU differently in each
+process; its uuid is the same) or "cpu:<boot id>", so each colocated engine worker picks the
+buffer on its own device. Today only the sender exports buffers, so the engine's workers must
+all sit on the sender's device (an engine of one worker, colocated with trainer rank 0).
+
+Failure handling: every wait has a limit (timeout_s). The engine's wait for a fill ends with
+TimeoutError when a trainer stalls or dies (the worker then restores the previous weights); a
+trainer that fails sets the control block's abort word, so a waiting engine stops at once,
+and then calls abort_weight_update. Linux only (the segments live in /dev/shm).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import concurrent.futures
+import dataclasses
+import logging
+import math
+import mmap
+import os
+import re
+import secrets
+import socket
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from multiprocessing import resource_tracker
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from weight_transfer import packing
+from weight_transfer.base import (
+    ParamMeta,
+    SyncStats,
+    TrainerWeightTransferEngine,
+    WeightSource,
+    WeightTransferEngine,
+    WeightUpdateInfo,
+)
+from weight_transfer.clients import call_in_background
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+_SEGMENT_NAME = re.compile(r"^wt-ipc-[0-9a-z-]{1,100}$")
+_MAX_SLOTS = 64  # ring buffers + the oversize buffer; fixes the control block's size
+_MAX_HANDLE_BYTES = 4096  # a CUDA IPC handle is 64 bytes; allow for longer formats, refuse garbage
+
+
+# =======================================================================================
+# Shared pieces: device keys, /dev/shm segments, the control block
+# =======================================================================================
+
+
+def device_key(device: torch.device) -> str:
+    """The key a buffer on `device` is published under: "cuda:<uuid>" or "cpu:<boot id>"."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{torch.cuda.get_device_properties(index).uuid}"
+    if device.type == "cpu":
+        return f"cpu:{_boot_id()}"
+    raise ValueError(f"device: the ipc backend shares cuda or cpu memory, not {device.type!r}")
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:  # pragma: no cover - not Linux
+        return socket.gethostname()
+
+
+def _segment_path(name: str) -> str:
+    return os.path.join(SHM_DIR, name)
+
+
+def _create_segment(name: str, nbytes: int) -> mmap.mmap:
+    """A new /dev/shm segment of nbytes, its space reserved now (a full tmpfs fails here, not with SIGBUS later).
+
+    The segment is registered with multiprocessing's resource tracker, which unlinks it if this
+    process dies without unlinking it itself; a peer's mapping stays valid until it unmaps.
+    """
+    path = _segment_path(name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        resource_tracker.register("/" + name, "shared_memory")
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            _unlink_segment(name)
+            raise RuntimeError(
+                f"ipc: {SHM_DIR} has no room for a {nbytes}-byte buffer ({e}); "
+                "lower packed_buffer_size_bytes or give the machine more shared memory"
+            ) from e
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+def _open_segment(name: str, nbytes: int, where: str) -> mmap.mmap:
+    """Maps an existing segment (never creates one); ValueError naming `where` if it is missing or short."""
+    try:
+        fd = os.open(_segment_path(name), os.O_RDWR)
+    except FileNotFoundError:
+        raise ValueError(
+            f"{where}: no shared-memory segment {name!r} on this host (trainer gone, or on another machine?)"
+        ) from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            raise ValueError(f"{where}: segment {name!r} has {size} bytes, fewer than the {nbytes} announced")
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+def _unlink_segment(name: str) -> None:
+    try:
+        os.unlink(_segment_path(name))
+    except FileNotFoundError:
+        pass
+    resource_tracker.unregister("/" + name, "shared_memory")
+
+
+class _Control:
+    """int64 words in a small segment that both sides map; the only signalling of a sync besides the client calls.
+
+        word 0          magic
+        word 1          abort: the trainer abandoned the sync in progress (engine waits stop at once)
+        2 + 3*s + 0     ready  (trainer): seq of the pack whose bytes are complete in slot s's buffer
+        2 + 3*s + 1     taken  (engine):  seq of the pack the engine is waiting for or reading in slot s
+        2 + 3*s + 2     opened (engine):  latest generation of slot s's buffer the engine opened (0: none);
+                                          from then on that export's CUDA reference is the engine's to give back
+
+    Each word has one writer. The trainer writes `ready` only after the pack's bytes are complete
+    (a host copy, or a device copy it synchronized), and the engine reads the buffer only after it
+    sees `ready`, so the word orders the data (aligned 8-byte stores; x86 keeps store order).
+    """
+
+    MAGIC = 0x5754_4950_4301  # "WTIPC" + layout version 1
+    NUM_WORDS = 2 + 3 * _MAX_SLOTS
+    NBYTES = NUM_WORDS * 8
+
+    def __init__(self, name: str, segment: mmap.mmap, owner: bool) -> None:
+        self.name = name
+        self.owner = owner
+        self._segment = segment
+        self._words = np.frombuffer(segment, dtype=np.int64, count=self.NUM_WORDS)
+
+    @classmethod
+    def create(cls, name: str) -> _Control:
+        control = cls(name, _create_segment(name, cls.NBYTES), owner=True)
+        control._words[:] = 0
+        control._words[0] = cls.MAGIC
+        return control
+
+    @classmethod
+    def attach(cls, name: str, where: str) -> _Control:
+        control = cls(name, _open_segment(name, cls.NBYTES, where), owner=False)
+        if int(control._words[0]) != cls.MAGIC:
+            control.close()
+            raise ValueError(f"{where}: segment {name!r} is not an ipc control block of this version")
+        return control
+
+    def _word(self, slot: int, field: int) -> int:
+        return 2 + 3 * slot + field
+
+    @property
+    def aborted(self) -> bool:
+        return bool(self._words[1])
+
+    def set_aborted(self, value: bool) -> None:
+        self._words[1] = int(value)
+
+    def ready(self, slot: int) -> int:
+        return int(self._words[self._word(slot, 0)])
+
+    def set_ready(self, slot: int, seq: int) -> None:
+        self._words[self._word(slot, 0)] = seq
+
+    def taken(self, slot: int) -> int:
+        return int(self._words[self._word(slot, 1)])
+
+    def set_taken(self, slot: int, seq: int) -> None:
+        self._words[self._word(slot, 1)] = seq
+
+    def opened(self, slot: int) -> int:
+        return int(self._words[self._word(slot, 2)])
+
+    def set_opened(self, slot: int, gen: int) -> None:
+        self._words[self._word(slot, 2)] = gen
+
+    def close(self) -> None:
+        """Unmaps (and, on the trainer, unlinks) the segment. Idempotent."""
+        if self._segment is None:
+            return
+        del self._words
+        self._words = np.zeros(self.NUM_WORDS, dtype=np.int64)  # later reads see an idle block
+        self._segment.close()
+        self._segment = None
+        if self.owner:
+            _unlink_segment(self.name)
+
+
+# ---- JSON field checks ----------------------------------------------------------------------------
+
+
+def _field(mapping: Mapping, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in mapping:
+        raise ValueError(f"{where}.{key}: missing")
+    value = mapping[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        name = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise ValueError(f"{where}.{key}: expected {name}, got {value!r}")
+    return value
+
+
+def _int_field(mapping: Mapping, key: str, where: str, minimum: int = 0) -> int:
+    value = _field(mapping, key, int, where)
+    if value < minimum:
+        raise ValueError(f"{where}.{key}: {value} is below {minimum}")
+    return value
+
+
+def _no_unknown(mapping: Mapping, allowed: set[str], where: str) -> None:
+    unknown = sorted(set(mapping) - allowed)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown}")
+
+
+def _b64(data: bytes | None) -> str:
+    return base64.b64encode(data or b"").decode("ascii")
+
+
+def _b64_field(mapping: Mapping, key: str, where: str, allow_empty: bool = False) -> bytes:
+    text = _field(mapping, key, str, where)
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"{where}.{key}: not valid base64 ({e})") from None
+    if (not raw and not allow_empty) or len(raw) > _MAX_HANDLE_BYTES:
+        raise ValueError(f"{where}.{key}: {len(raw)} bytes is not a plausible handle")
+    return raw
+
+
+# =======================================================================================
+# Buffer handles: export (trainer) and open (engine)
+# =======================================================================================
+
+_DESCRIPTOR_FIELDS = {"slot", "gen", "capacity", "handle"}
+_SHM_FIELDS = {"kind", "name"}
+_CUDA_FIELDS = {
+    "kind",
+    "handle_b64",
+    "storage_size",
+    "storage_offset",
+    "ref_counter_b64",
+    "ref_counter_offset",
+    "event_b64",
+    "event_sync_required",
+}
+
+
+@dataclass(frozen=True)
+class _Descriptor:
+    """A buffer as update_info announces it (decoded and checked)."""
+
+    slot: int
+    gen: int
+    capacity: int  # bytes the buffer holds
+    kind: str  # "shm" or "cuda"
+    fields: dict  # the handle, decoded: shm {"name"}; cuda {"handle", "size", "offset", "ref_counter", ...}
+    raw: dict  # the JSON it came from (a reused (slot, gen) must come with the same)
+
+
+def _parse_descriptor(value: object, where: str) -> _Descriptor:
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"{where}: expected a buffer descriptor {sorted(_DESCRIPTOR_FIELDS)}, got {type(value).__name__}"
+        )
+    _no_unknown(value, _DESCRIPTOR_FIELDS, where)
+    slot = _int_field(value, "slot", where)
+    if slot >= _MAX_SLOTS:
+        raise ValueError(f"{where}.slot: {slot} is out of range [0, {_MAX_SLOTS})")
+    gen = _int_field(value, "gen", where, minimum=1)
+    capacity = _int_field(value, "capacity", where, minimum=1)
+    handle = _field(value, "handle", Mapping, where)
+    where = f"{where}.handle"
+    kind = _field(handle, "kind", str, where)
+    if kind == "shm":
+        _no_unknown(handle, _SHM_FIELDS, where)
+        name = _field(handle, "name", str, where)
+        if not _SEGMENT_NAME.match(name):
+            raise ValueError(f"{where}.name: {name!r} is not an ipc segment name (wt-ipc-...)")
+        fields: dict = {"name": name}
+    elif kind == "cuda":
+        _no_unknown(handle, _CUDA_FIELDS, where)
+        fields = {
+            "handle": _b64_field(handle, "handle_b64", where),
+            "size": _int_field(handle, "storage_size", where, minimum=1),
+            "offset": _int_field(handle, "storage_offset", where),
+            "ref_counter": _b64_field(handle, "ref_counter_b64", where),
+            "ref_counter_offset": _int_field(handle, "ref_counter_offset", where),
+            "event": _b64_field(handle, "event_b64", where, allow_empty=True),
+            "event_sync_required": _field(handle, "event_sync_required", bool, where),
+        }
+        if fields["size"] < capacity:
+            raise ValueError(f"{where}.storage_size: {fields['size']} bytes, fewer than the capacity {capacity}")
+    else:
+        raise ValueError(f"{where}.kind: expected 'shm' or 'cuda', got {kind!r}")
+    return _Descriptor(slot, gen, capacity, kind, fields, dict(value))
+
+
+def _export_cuda(tensor: torch.Tensor) -> tuple[dict, tuple[bytes, int]]:
+    """The JSON handle of a CUDA buffer's storage, and its (ref counter, offset) for releasing an unopened export.
+
+    Each export sets a reference counter (in a small shared file of torch's) to 1; the
+    importer's mapping decrements it when it is closed, and torch keeps the memory (in "limbo")
+    until then even if the exporter frees it. So: one export, exactly one open-and-close.
+    """
+    storage = tensor.untyped_storage()
+    (_device, handle, size, offset, ref_counter, ref_counter_offset, event, event_sync) = storage._share_cuda_()
+    json_handle = {
+        "kind": "cuda",
+        "handle_b64": _b64(handle),
+        "storage_size": int(size),
+        "storage_offset": int(offset),
+        "ref_counter_b64": _b64(ref_counter),
+        "ref_counter_offset": int(ref_counter_offset),
+        "event_b64": _b64(event),
+        "event_sync_required": bool(event_sync),
+    }
+    return json_handle, (ref_counter, int(ref_counter_offset))
+
+
+def _open_cuda(fields: dict, device: torch.device) -> torch.Tensor:
+    torch.cuda._lazy_init()
+    storage = torch.UntypedStorage._new_shared_cuda(
+        device.index if device.index is not None else torch.cuda.current_device(),
+        fields["handle"],
+        fields["size"],
+        fields["offset"],
+        fields["ref_counter"],
+        fields["ref_counter_offset"],
+        fields["event"] or None,
+        fields["event_sync_required"],
+    )
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+# =======================================================================================
+# Engine side
+# =======================================================================================
+
+
+@dataclass(frozen=True)
+class _EngineInitInfo:
+    control: str
+    timeout_s: float
+    keep_buffers: bool
+
+
+@dataclass
+class _Mapped:
+    """One opened buffer of the trainer's, held until the keep_buffers policy lets it go."""
+
+    descriptor: _Descriptor
+    tensor: torch.Tensor  # uint8 [capacity], the trainer's memory
+
+
+_INIT_FIELDS = {"backend", "control", "host", "timeout_s", "keep_buffers"}
+_UPDATE_FIELDS = {"names", "dtypes", "shapes", "buffer_size", "slot", "seq", "buffer"}
+
+
+class IPCWeightTransferEngine(WeightTransferEngine):
+    """Receives packs from buffers the trainer shares on this worker's device; opens each buffer once."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(torch.device(device))
+        self.key = device_key(self.device)
+        self._control: _Control | None = None
+        self._settings: _EngineInitInfo | None = None
+        self._mapped: dict[int, _Mapped] = {}  # slot -> the buffer of that slot currently mapped
+
+    # ---- init ----------------------------------------------------------------------------------
+
+    def parse_init_info(self, init_info: dict) -> _EngineInitInfo:
+        where = "init_info"
+        if not isinstance(init_info, Mapping):
+            raise ValueError(f"{where}: expected a dict, got {type(init_info).__name__}")
+        _no_unknown(init_info, _INIT_FIELDS, where)
+        control = _field(init_info, "control", str, where)
+        if not _SEGMENT_NAME.match(control) or not control.endswith("-ctl"):
+            raise ValueError(f"{where}.control: {control!r} is not an ipc control block name (wt-ipc-...-ctl)")
+        host = _field(init_info, "host", str, where)
+        if host != device_key(torch.device("cpu")):
+            raise ValueError(
+                f"{where}.host: the trainer runs on host {host!r}, this engine on another; ipc needs one machine"
+            )
+        timeout_s = _field(init_info, "timeout_s", (int, float), where)
+        if isinstance(timeout_s, bool) or not math.isfinite(timeout_s) or timeout_s <= 0:
+            raise ValueError(f"{where}.timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+        keep_buffers = _field(init_info, "keep_buffers", bool, where)
+        return _EngineInitInfo(control, float(timeout_s), keep_buffers)
+
+    def init_transfer(self, init_info: _EngineInitInfo) -> None:
+        self._control = _Control.attach(init_info.control, "init_info.control")
+        self._settings = init_info
+
+    # ---- one update_weights call ----------------------------------------------------------------
+
+    def parse_update_info(self, update_info: dict) -> WeightUpdateInfo:
+        control = self._require_control()
+        where = "update_info"
+        if not isinstance(update_info, Mapping):
+            raise ValueError(f"{where}: expected a dict, got {type(update_info).__name__}")
+        _no_unknown(update_info, _UPDATE_FIELDS, where)
+        names, dtypes, shapes = packing.parse_tensor_list(update_info, where)
+        if not names:
+            raise ValueError(f"{where}.names: empty; a call carries one pack of at least one tensor")
+        buffer_size = _int_field(update_info, "buffer_size", where, minimum=packing.ALIGN)
+        slot = _int_field(update_info, "slot", where)
+        if slot >= _MAX_SLOTS:
+            raise ValueError(f"{where}.slot: {slot} is out of range [0, {_MAX_SLOTS})")
+        seq = _int_field(update_info, "seq", where, minimum=1)
+        buffers = _field(update_info, "buffer", Mapping, where)
+        if not buffers:
+            raise ValueError(f"{where}.buffer: empty; expected {{device_key: buffer descriptor}}")
+        # Every entry is checked, also those meant for workers on other devices.
+        descriptors = {key: _parse_descriptor(value, f"{where}.buffer[{key!r}]") for key, value in buffers.items()}
+        if self.key not in descriptors:
+            raise ValueError(
+                f"{where}.buffer: nothing for this worker's device {self.key!r} (the update has {sorted(descriptors)}); "
+                "the ipc backend needs the trainer's sender and the engine worker on the same device"
+            )
+        descriptor = descriptors[self.key]
+        if descriptor.slot != slot:
+            raise ValueError(f"{where}.buffer[{self.key!r}].slot: {descriptor.slot}, but the call is for slot {slot}")
+        if descriptor.kind != ("cuda" if self.device.type == "cuda" else "shm"):
+            raise ValueError(
+                f"{where}.buffer[{self.key!r}].handle.kind: {descriptor.kind!r} on a {self.device.type} worker"
+            )
+        sizes = [packing.nbytes_of(d, s) for d, s in zip(dtypes, shapes)]
+        packs = packing.plan_packs(sizes, buffer_size)
+        if len(packs) != 1:
+            raise ValueError(
+                f"{where}.names: the tensors fill {len(packs)} buffers of {buffer_size} bytes; a call carries one"
+            )
+        if packs[0].nbytes > descriptor.capacity:
+            raise ValueError(
+                f"{where}.buffer[{self.key!r}].capacity: the pack spans bytes [0, {packs[0].nbytes}), "
+                f"beyond the buffer's {descriptor.capacity}"
+            )
+        mapped = self._map(descriptor, f"{where}.buffer[{self.key!r}]", control)
+        return WeightUpdateInfo(
+            names, dtypes, shapes, extra={"pack": packs[0], "mapped": mapped, "slot": slot, "seq": seq}
+        )
+
+    def _map(self, descriptor: _Descriptor, where: str, control: _Control) -> _Mapped:
+        """The opened buffer for `descriptor`, from the cache when this (slot, gen) was opened before."""
+        mapped = self._mapped.get(descriptor.slot)
+        if mapped is not None and mapped.descriptor.gen == descriptor.gen:
+            if mapped.descriptor.raw != descriptor.raw:
+                raise ValueError(
+                    f"{where}: buffer (slot {descriptor.slot}, gen {descriptor.gen}) came before with another handle"
+                )
+            return mapped
+        if mapped is not None and descriptor.gen < mapped.descriptor.gen:
+            raise ValueError(f"{where}.gen: {descriptor.gen} is older than the slot's buffer {mapped.descriptor.gen}")
+        if descriptor.kind == "shm":
+            # Buffer names derive from the control block's, so a handle can only name this trainer's buffers.
+            expected = f"{control.name.removesuffix('-ctl')}-{descriptor.slot}-{descriptor.gen}"
+            if descriptor.fields["name"] != expected:
+                raise ValueError(f"{where}.handle.name: {descriptor.fields['name']!r}, expected {expected!r}")
+            segment = _open_segment(descriptor.fields["name"], descriptor.capacity, f"{where}.handle.name")
+            tensor = torch.frombuffer(segment, dtype=torch.uint8)  # keeps the mapping alive
+        else:
+            try:
+                tensor = _open_cuda(descriptor.fields, self.device)
+            except RuntimeError as e:  # a well-formed handle that names no live export (stale, or from elsewhere)
+                raise ValueError(f"{where}.handle: CUDA could not open it: {e}") from None
+        if mapped is not None:  # the trainer replaced this slot's buffer (only now: a bad handle must not evict it)
+            self._release(descriptor.slot)
+        mapped = _Mapped(descriptor, tensor)
+        self._mapped[descriptor.slot] = mapped
+        control.set_opened(descriptor.slot, descriptor.gen)  # the export's reference is now ours to release
+        return mapped
+
+    def receive_weights(self, info: WeightUpdateInfo) -> Iterator[tuple[str, torch.Tensor]]:
+        control = self._require_control()
+        pack: packing.Pack = info.extra["pack"]
+        mapped: _Mapped = info.extra["mapped"]
+        slot, seq = info.extra["slot"], info.extra["seq"]
+        control.set_taken(slot, seq)
+        self._wait_ready(control, slot, seq, info.names[pack.slots[0].index])
+        buffer = mapped.tensor
+        try:
+            for pack_slot in pack.slots:
+                i = pack_slot.index
+                yield info.names[i], packing.view_of(buffer, pack_slot, info.dtypes[i], info.shapes[i])
+        finally:
+            if buffer.is_cuda:  # the landing copies read the buffer: done before the trainer may refill it
+                torch.cuda.synchronize(buffer.device)
+
+    def _wait_ready(self, control: _Control, slot: int, seq: int, first_name: str) -> None:
+        """Returns once the trainer marked fill `seq` of `slot` complete; raises on abort, protocol error or timeout."""
+        timeout_s = self._settings.timeout_s  # set with the control block
+        where = f"ipc: buffer slot {slot} (pack {seq}, first tensor {first_name!r})"
+        deadline = time.monotonic() + timeout_s
+        delay = 1e-4
+        while True:
+            if control.aborted:
+                raise RuntimeError(f"{where}: the trainer abandoned the sync")
+            ready = control.ready(slot)
+            if ready == seq:
+                return
+            if ready > seq:
+                raise RuntimeError(
+                    f"{where}: the trainer already refilled the buffer (fill {ready}); calls out of order"
+                )
+            if time.monotonic() > deadline:
+                message = f"{where}: not filled within timeout_s={timeout_s:g} s (trainer stalled or dead)"
+                logger.warning("%s", message)
+                raise TimeoutError(message)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    def finish_update(self) -> None:
+        if self._settings is not None and not self._settings.keep_buffers:
+            self._release_all()
+
+    def abort_update(self) -> None:
+        # A kept buffer stays mapped: the trainer reuses it, and each export may be opened only
+        # once. A dead trainer's buffers go when the next trainer_init replaces this engine.
+        self.finish_update()
+
+    def shutdown(self) -> None:
+        self._release_all()
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+
+    def _release(self, slot: int) -> None:
+        """Drops the mapping of slot's buffer; CUDA: closing it gives the export's reference back."""
+        self._mapped.pop(slot, None)
+
+    def _release_all(self) -> None:
+        for slot in list(self._mapped):
+            self._release(slot)
+
+    def _require_control(self) -> _Control:
+        if self._control is None:
+            raise RuntimeError("ipc: the transfer engine is not initialized (or already shut down)")
+        return self._control
+
+
+# =======================================================================================
+# Trainer side
+# =======================================================================================
+
+
+@dataclass(frozen=True)
+class IPCTrainerInitInfo:
+    """Settings of the ipc backend's trainer side: trainer_init(IPCTrainerInitInfo(...), client=...)."""
+
+    backend: ClassVar[str] = "ipc"
+
+    packed_buffer_size_bytes: int = 512 << 20
+    """Bytes per ring buffer (tensors larger than this go through one extra buffer of their size)."""
+    packed_num_buffers: int = 2
+    """Ring buffers: one is filled while the engine copies out of the others; also the limit of calls in flight."""
+    timeout_s: float = 300.0
+    """Limit of every wait on either side (an engine call, the engine waiting for a fill)."""
+    keep_buffers: bool = True
+    """True: buffers are exported and opened once and live until shutdown (fast syncs, device memory held
+    between them). False: allocated, exported and opened for each sync and freed after it (nothing held
+    between syncs, e.g. for an engine that sleeps; opening costs ~160 ms a buffer on CUDA)."""
+    device: str | None = None
+    """Where the buffers live (the device the engine worker uses); None: the device of the first tensor sent."""
+
+    def __post_init__(self) -> None:
+        for name in ("packed_buffer_size_bytes", "packed_num_buffers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name}: expected an int, got {value!r}")
+        if self.packed_buffer_size_bytes < packing.ALIGN:
+            raise ValueError(f"packed_buffer_size_bytes: {self.packed_buffer_size_bytes} is below {packing.ALIGN}")
+        if not 1 <= self.packed_num_buffers < _MAX_SLOTS:
+            raise ValueError(f"packed_num_buffers: {self.packed_num_buffers} is out of range [1, {_MAX_SLOTS - 1}]")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"timeout_s: expected a positive number of seconds, got {self.timeout_s!r}")
+        if not isinstance(self.keep_buffers, bool):
+            raise ValueError(f"keep_buffers: expected a bool, got {self.keep_buffers!r}")
+        if self.device is not None:
+            try:
+                kind = torch.device(self.device).type
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"device: {self.device!r} is not a torch device ({e})") from None
+            if kind not in ("cpu", "cuda"):
+                raise ValueError(f"device: the ipc backend shares cuda or cpu memory, not {self.device!r}")
+
+
+@dataclass
+class _Buffer:
+    """One buffer of the trainer's, exported once; `descriptor` is what update_info announces."""
+
+    slot: int
+    gen: int
+    tensor: torch.Tensor  # uint8 [capacity], on the trainer's device
+    descriptor: dict
+    segment_name: str | None = None  # CPU
+    cuda_ref: tuple[bytes, int] | None = None  # CUDA: (ref counter, offset) of the export
+
+    @property
+    def capacity(self) -> int:
+        return self.tensor.numel()
+
+    @property
+    def buffer_id(self) -> str:
+        return f"{self.slot}.{self.gen}"
+
+
+@dataclass
+class _InFlight:
+    """An update_weights call posted for fill `seq` of `slot`."""
+
+    future: concurrent.futures.Future
+    slot: int
+    seq: int
+    first_name: str
+
+
+class _PeekedSource:
+    """iter_full() with the next item visible: the buffers' device is that of the first tensor."""
+
+    def __init__(self, items: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self._items = items
+        self._next: tuple[str, torch.Tensor] | None = None
+
+    def peek(self) -> tuple[str, torch.Tensor]:
+        if self._next is None:
+            self._next = next(self._items)
+        return self._next
+
+    def pop(self) -> tuple[str, torch.Tensor]:
+        item = self.peek()
+        self._next = None
+        return item
+
+    def drain(self) -> None:
+        self._next = None
+        for _ in self._items:
+            pass
+
+
+class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine):
+    """Trainer side of "ipc": rank 0 packs into shared buffers and drives the engine; other ranks only gather."""
+
+    backend: ClassVar[str] = "ipc"
+
+    def __init__(self, init_info: IPCTrainerInitInfo, client, source: WeightSource | None, rank: int) -> None:
+        super().__init__(init_info, client, source, rank)
+        self.config: IPCTrainerInitInfo = init_info
+        self._token = f"{os.getpid()}-{secrets.token_hex(6)}"
+        self._control: _Control | None = None
+        self._buffers: dict[int, _Buffer] = {}  # slot -> buffer
+        self._device = _concrete(torch.device(init_info.device)) if init_info.device else None  # None: the source's
+        self._next_gen = 1
+        self._next_seq = 1
+        self._next_ring = 0
+        self._closed = False
+        self.num_exports = 0  # buffers exported so far (each costs an export here and an open in the engine)
+
+    # ---- set-up ----------------------------------------------------------------------------------
+
+    @classmethod
+    def trainer_init(cls, init_info, *, client, source=None) -> IPCTrainerWeightTransferEngine:
+        if isinstance(init_info, Mapping):
+            fields = {k: v for k, v in init_info.items() if k != "backend"}
+            unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(IPCTrainerInitInfo)})
+            if unknown:
+                raise ValueError(f"init_info: unknown field(s) {unknown} for backend 'ipc'")
+            init_info = IPCTrainerInitInfo(**fields)
+        if not isinstance(init_info, IPCTrainerInitInfo):
+            raise ValueError(f"init_info: expected IPCTrainerInitInfo, got {type(init_info).__name__}")
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        engine = cls(init_info, client, source, rank)
+        if rank == 0:
+            engine._connect()
+        return engine
+
+    def _connect(self) -> None:
+        num_workers = self._call("get_world_size", self.client.get_world_size)
+        if num_workers != 1:
+            raise ValueError(
+                f"ipc: the engine has {num_workers} workers; the sender shares buffers on its own device only, "
+                "so the engine must be one worker colocated with trainer rank 0"
+            )
+        self._control = _Control.create(f"wt-ipc-{self._token}-ctl")
+        try:
+            self._call(
+                "init_weight_transfer_engine",
+                self.client.init_weight_transfer_engine,
+                {
+                    "backend": "ipc",
+                    "control": self._control.name,
+                    "host": device_key(torch.device("cpu")),
+                    "timeout_s": float(self.config.timeout_s),
+                    "keep_buffers": self.config.keep_buffers,
+                },
+            )
+        except BaseException:
+            self._control.close()
+            self._control = None
+            raise
+
+    # ---- one sync ------------------------------------------------------------------------------------
+
+    def send_weights(self, source=None, *, weight_version: str | None = None) -> SyncStats:
+        if self._closed:
+            raise RuntimeError("ipc: send_weights after shutdown")
+        source = self._source(source)
+        metas = source.metadata
+        stats = SyncStats(backend=self.backend, num_tensors=len(metas), dense_bytes=sum(m.nbytes for m in metas))
+        start = time.perf_counter()
+        if self.rank != 0:
+            if _gathers(metas):  # rank 0's pass gathers sharded tensors: every rank takes part
+                for _ in source.iter_full():
+                    pass
+            stats.seconds = time.perf_counter() - start
+            return stats
+        packs = packing.plan_packs([m.nbytes for m in metas], self.config.packed_buffer_size_bytes)
+        exports_before = self.num_exports
+        items = _PeekedSource(iter(source.iter_full()))
+        try:
+            self._sync(metas, packs, items, weight_version)
+            buffer_ids = self.buffer_ids
+        finally:
+            if not self.config.keep_buffers:
+                self._free_buffers()
+        stats.bytes_sent = stats.dense_bytes  # each byte crosses once: the trainer's copy into the shared buffer
+        stats.seconds = time.perf_counter() - start
+        stats.weight_version = weight_version
+        stats.extra.update(
+            num_packs=len(packs),
+            buffer_ids=buffer_ids,
+            num_exports=self.num_exports - exports_before,
+        )
+        return stats
+
+    @property
+    def buffer_ids(self) -> list[str]:
+        """ "slot.generation" of every live buffer; the same ids across syncs mean the same exports, reused."""
+        return [self._buffers[slot].buffer_id for slot in sorted(self._buffers)]
+
+    def _sync(self, metas: list[ParamMeta], packs: list[packing.Pack], items: _PeekedSource, weight_version) -> None:
+        control = self._require_control()
+        limit = self.config.packed_buffer_size_bytes
+        capacity = {  # ring buffers and the oversize buffer: as large as this sync's largest pack of each kind
+            False: max((p.nbytes for p in packs if p.nbytes <= limit), default=0),
+            True: max((p.nbytes for p in packs if p.nbytes > limit), default=0),
+        }
+        tensor_list = packing.tensor_list([m.name for m in metas], [m.dtype for m in metas], [m.shape for m in metas])
+        control.set_aborted(False)
+        self._call("start_weight_update", self.client.start_weight_update)
+        pending: dict[int, _InFlight] = {}  # slot -> the update_weights call reading it
+        where = "before the first pack"
+        try:
+            for pack in packs:
+                first_name = metas[pack.slots[0].index].name
+                where = f"the pack starting at {first_name!r}"
+                slot = self._claim_slot(pack.nbytes > limit, pending)
+                buffer = self._buffer(slot, capacity[pack.nbytes > limit], self._buffer_device(items))
+                seq = self._next_seq
+                self._next_seq += 1
+                update_info = {
+                    **{key: [values[s.index] for s in pack.slots] for key, values in tensor_list.items()},
+                    "buffer_size": limit,
+                    "slot": slot,
+                    "seq": seq,
+                    "buffer": {device_key(buffer.tensor.device): buffer.descriptor},
+                }
+                # Posted before the fill: the call's round trip overlaps the copy; the engine waits for `ready`.
+                future = call_in_background(self.client.update_weights, update_info)
+                pending[slot] = _InFlight(future, slot, seq, first_name)
+                self._fill(buffer, pack, metas, items)
+                control.set_ready(slot, seq)
+            where = "waiting for the engine"
+            while pending:
+                self._wait_call(pending.pop(next(iter(pending))))
+            where = "finish_weight_update"
+            self._call("finish_weight_update", self.client.finish_weight_update, weight_version)
+        except BaseException as e:
+            self._abandon(pending, items, metas, e)
+            if isinstance(e, Exception) and not isinstance(e, TimeoutError):
+                raise RuntimeError(f"ipc: send_weights failed at {where}: {type(e).__name__}: {e}") from e
+            raise
+
+    def _claim_slot(self, oversize: bool, pending: dict[int, _InFlight]) -> int:
+        """The slot for the next pack, once no call reads it and fewer than packed_num_buffers are in flight."""
+        if oversize:
+            slot = self.config.packed_num_buffers  # the slot after the ring
+        else:
+            slot = self._next_ring
+            self._next_ring = (self._next_ring + 1) % self.config.packed_num_buffers
+        if slot in pending:
+            self._wait_call(pending.pop(slot))
+        while len(pending) >= self.config.packed_num_buffers:
+            self._wait_call(pending.pop(next(iter(pending))))  # the oldest call
+        return slot
+
+    def _buffer_device(self, items: _PeekedSource) -> torch.device:
+        if self._device is None:  # the source's device: a peek at the first tensor
+            self._device = _concrete(items.peek()[1].device)
+        return self._device
+
+    def _fill(self, buffer: _Buffer, pack: packing.Pack, metas: list[ParamMeta], items: _PeekedSource) -> None:
+        """Copies the pack's tensors (pulled one at a time from the source) into `buffer`; complete on return."""
+        for pack_slot in pack.slots:
+            meta = metas[pack_slot.index]
+            try:
+                name, tensor = items.pop()
+            except Exception as e:
+                raise RuntimeError(f"reading {meta.name!r} from the source failed: {type(e).__name__}: {e}") from e
+            if name != meta.name or tensor.dtype != meta.dtype or tuple(tensor.shape) != meta.shape:
+                raise ValueError(
+                    f"source: iter_full yielded {name!r} {tensor.dtype} {list(tensor.shape)} where the metadata has "
+                    f"{meta.name!r} {meta.dtype} {list(meta.shape)}"
+                )
+            packing.copy_into(buffer.tensor, pack_slot, tensor)
+        if buffer.tensor.is_cuda:  # `ready` must not be set before the device copies are done
+            torch.cuda.current_stream(buffer.tensor.device).synchronize()
+
+    def _wait_call(self, call: _InFlight) -> None:
+        try:
+            call.future.result(timeout=self.config.timeout_s)
+        except concurrent.futures.TimeoutError:
+            started = self._control is not None and self._control.taken(call.slot) == call.seq
+            raise TimeoutError(
+                f"ipc: update_weights for the pack starting at {call.first_name!r} did not return within "
+                f"timeout_s={self.config.timeout_s:g} s; the engine "
+                + ("was reading it (stalled?)" if started else "never started on it (dead, or busy with another call?)")
+            ) from None
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """A client call bounded by timeout_s (a plain call to a hung engine would wait forever)."""
+        try:
+            return call_in_background(fn, *args).result(timeout=self.config.timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"ipc: {what} did not return within timeout_s={self.config.timeout_s:g} s") from None
+
+    def _abandon(
+        self, pending: dict[int, _InFlight], items: _PeekedSource, metas: list[ParamMeta], error: BaseException
+    ) -> None:
+        """After a failure on rank 0: stop the engine's waits, let its calls end, make it restore its weights."""
+        # Log strings, not exceptions: a log record would keep the traceback's frames (and their tensors) alive.
+        control = self._require_control()
+        control.set_aborted(True)  # an engine waiting for a fill raises now instead of at its timeout
+        for call in pending.values():
+            try:
+                call.future.result(timeout=self.config.timeout_s)
+            except Exception as e:  # the first error is the one reported; these follow from it
+                logger.info("ipc: the call for the pack starting at %r ended with %s", call.first_name, str(e))
+        try:
+            self._call("abort_weight_update", self.client.abort_weight_update)
+            logger.warning("ipc: sync failed (%s); the engine was told to abort the update", str(error))
+        except Exception as e:  # e.g. the engine ended the update itself, or is gone
+            logger.warning("ipc: sync failed (%s); abort_weight_update failed too: %s", str(error), str(e))
+        if _gathers(metas):
+            try:  # the other ranks gather with us: finish the pass so that they are not left waiting
+                items.drain()
+            except Exception as e:  # the source itself failed; the other ranks see that too
+                logger.info("ipc: draining the source after the failure: %s", str(e))
+
+    # ---- buffers ---------------------------------------------------------------------------------------
+
+    def _buffer(self, slot: int, capacity: int, device: torch.device) -> _Buffer:
+        """Slot's buffer, allocated and exported unless a live one is large enough (reuse is the point)."""
+        capacity = max(capacity, packing.ALIGN)
+        buffer = self._buffers.get(slot)
+        if buffer is not None and buffer.capacity >= capacity and buffer.tensor.device == device:
+            return buffer
+        if buffer is not None:
+            self._free(buffer)
+        gen = self._next_gen
+        self._next_gen += 1
+        if device.type == "cuda":
+            tensor = torch.empty(capacity, dtype=torch.uint8, device=device)
+            handle, cuda_ref = _export_cuda(tensor)
+            buffer = _Buffer(slot, gen, tensor, {}, cuda_ref=cuda_ref)
+        else:
+            name = f"wt-ipc-{self._token}-{slot}-{gen}"
+            tensor = torch.frombuffer(_create_segment(name, capacity), dtype=torch.uint8)
+            handle = {"kind": "shm", "name": name}
+            buffer = _Buffer(slot, gen, tensor, {}, segment_name=name)
+        buffer.descriptor = {"slot": slot, "gen": gen, "capacity": capacity, "handle": handle}
+        self._buffers[slot] = buffer
+        self.num_exports += 1
+        return buffer
+
+    def _free(self, buffer: _Buffer) -> None:
+        """Lets a buffer go. The engine must have released it (finish/shutdown) or never opened it."""
+        self._buffers.pop(buffer.slot, None)
+        control = self._control
+        opened = control is not None and control.opened(buffer.slot) >= buffer.gen
+        if buffer.cuda_ref is not None and not opened:
+            # Never opened by the engine: give the export's reference back ourselves, or the memory stays in limbo.
+            torch.UntypedStorage._release_ipc_counter(*buffer.cuda_ref, device=buffer.tensor.device)
+        device = buffer.tensor.device
+        buffer.tensor = torch.empty(0, dtype=torch.uint8)  # drops the mapping / the storage
+        if buffer.segment_name is not None:
+            _unlink_segment(buffer.segment_name)
+        if device.type == "cuda":
+            torch.cuda.ipc_collect()  # frees exported blocks whose last importer has closed them
+
+    def _free_buffers(self) -> None:
+        for buffer in list(self._buffers.values()):
+            self._free(buffer)
+
+    # ---- teardown ------------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Rank 0: the engine drops its mappings first, then the buffers and the control block go. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.rank != 0:
+            return
+        if self._control is not None:
+            try:
+                self._call("shutdown_weight_transfer_engine", self.client.shutdown_weight_transfer_engine)
+            except Exception as e:  # still free ours; an engine that is gone holds nothing of consequence
+                logger.warning("ipc: shutdown_weight_transfer_engine failed: %s", str(e))
+        self._free_buffers()
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+
+    def _require_control(self) -> _Control:
+        if self._control is None:
+            raise RuntimeError("ipc: not connected (trainer_init failed, or shut down)")
+        return self._control
+
+
+def _gathers(metas: list[ParamMeta]) -> bool:
+    """Whether a full pass over a source with these tensors needs every rank (sharded tensors are gathered)."""
+    return any(m.placements or len(m.owners) > 1 for m in metas)
+
+
+def _concrete(device: torch.device) -> torch.device:
+    """cuda -> cuda:<current index>, so that devices compare equal."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+__all__ = [
+    "IPCTrainerInitInfo",
+    "IPCTrainerWeightTransferEngine",
+    "IPCWeightTransferEngine",
+    "device_key",
+]
