@@ -157,7 +157,12 @@ class FaultToleranceConfig:
     weight_update_rollback: str = "device"
     """Where a weight update keeps the weights it overwrites until it finishes, so a failed transfer restores them: device (fastest; transient memory up to the model's size), cpu, or none (a failed transfer leaves the engine refusing to serve until a new update finishes)."""
 
+    weight_update_idle_timeout_s: float = 600.0
+    """A weight update that gets no call (update or finish) for this many seconds is aborted - its trainer is presumed dead - and the previous weights serve again; 0 waits forever."""
+
     def __post_init__(self) -> None:
+        if self.weight_update_idle_timeout_s < 0:
+            raise ValueError(f"weight_update_idle_timeout_s must be >= 0, got {self.weight_update_idle_timeout_s}")
         if self.engine_recovery_timeout_sec <= 0:
             raise ValueError(f"engine_recovery_timeout_sec must be > 0, got {self.engine_recovery_timeout_sec}")
         if self.weight_update_rollback not in ("device", "cpu", "none"):

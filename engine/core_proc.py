@@ -154,6 +154,7 @@ class EngineCoreProc:
         while self.running:
             try:
                 self._process_input_queue()
+                self.engine_core.expire_idle_weight_update()
                 if self.running and self.engine_core.has_unfinished_requests():
                     self._step()
             except Exception as e:

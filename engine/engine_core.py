@@ -48,6 +48,7 @@ class EngineCore:
         # mix left by a failed transfer that could not roll back: no step ever sees half an update.
         self._weight_update_active = False
         self._weights_consistent = True
+        self._last_weight_call = 0.0  # time.monotonic() at the end of the last start/update call
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Admits a request, or raises ValueError naming what is wrong and changes nothing.
@@ -246,6 +247,7 @@ class EngineCore:
         """Begins an update; until it finishes or aborts nothing is scheduled (requests queue)."""
         self.executor.start_weight_update()
         self._set_weight_update_active(True)
+        self._last_weight_call = time.monotonic()
 
     def update_weights(self, update_info: dict) -> int:
         """Lands one atomic batch of HF-named tensors; returns how many. ValueError: nothing changed.
@@ -262,7 +264,21 @@ class EngineCore:
             raise
         finally:
             self.scheduler.reset_prefix_cache()
+            self._last_weight_call = time.monotonic()
         return num_loaded
+
+    def expire_idle_weight_update(self) -> bool:
+        """Aborts an update in progress whose trainer went silent (weight_update_idle_timeout_s); True if it did.
+
+        The engine process's loop calls this while it waits: a trainer that dies between two
+        calls must not leave the engine holding its requests forever.
+        """
+        limit = self.config.fault_tolerance.weight_update_idle_timeout_s
+        if not self._weight_update_active or limit <= 0 or time.monotonic() - self._last_weight_call < limit:
+            return False
+        logger.warning("weight update got no call for %.0f s: aborting it and restoring the previous weights", limit)
+        self.abort_weight_update()
+        return True
 
     def abort_weight_update(self) -> bool:
         """Ends an update in progress and restores the weights it changed; False if none was in progress."""

@@ -6,6 +6,8 @@ import json
 import os
 import threading
 
+import time
+
 import httpx
 import pytest
 import torch
@@ -115,7 +117,8 @@ def test_weight_transfer_backend_flag_limits_init_and_abort_restores(launch_serv
 
     from weight_transfer.local import make_update_info
 
-    server = launch_server(tiny_checkpoint("llama"), "--enable-rl-routes", "--weight-transfer-backend", "local")
+    server = launch_server(tiny_checkpoint("llama"), "--enable-rl-routes", "--weight-transfer-backend", "local",
+                           "--weight-update-idle-timeout-s", "2")
     with httpx.Client(base_url=server.url, timeout=60) as c:
         _assert_error(c.post("/init_weight_transfer_engine", json={"init_info": {"backend": "nccl"}}), 400,
                       "init_info.backend", "'local'")
@@ -131,6 +134,16 @@ def test_weight_transfer_backend_flag_limits_init_and_abort_restores(launch_serv
         assert c.post("/weight_checker").json()["checksums"] == before
         r = c.post("/v1/completions", json={"model": server.served_model, "prompt": "hi", "max_tokens": 4})
         assert r.status_code == 200, r.text  # serving again after the abort
+        # A trainer that goes silent mid-update: the engine aborts the update itself after the idle limit.
+        assert c.post("/start_weight_update").status_code == 200
+        assert c.post("/update_weights", json={"update_info": make_update_info(new.items(), "b64")}).status_code == 200
+        deadline = time.monotonic() + 30
+        while c.post("/weight_checker").json()["checksums"] != before and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert c.post("/weight_checker").json()["checksums"] == before
+        assert c.post("/abort_weight_update").json()["aborted"] is False  # nothing left in progress
+        r = c.post("/v1/completions", json={"model": server.served_model, "prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 200, r.text
     server.stop()
 
 
