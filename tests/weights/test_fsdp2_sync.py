@@ -98,7 +98,7 @@ def _rank_main(rank: int, url: str, path: str, backend: str, ports: tuple[int, i
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("backend", ["local"])
+@pytest.mark.parametrize("backend", ["local", "nccl"])
 def test_fully_sharded_trainer_syncs_with_bounded_memory(launch_server, tiny_checkpoint, tmp_path, backend):
     path = tiny_checkpoint("llama")
     server = launch_server(path, "--enable-rl-routes")

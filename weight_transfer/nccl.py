@@ -1,0 +1,527 @@
+"""The "nccl" backend: trainer rank 0 broadcasts HF-named tensors to every engine worker (NCCL on CUDA, gloo on CPU).
+
+The group is trainer rank 0 (the sender) plus every engine worker, at rank
+rank_offset + dp_index * workers_per_engine + worker_rank (rank_offset is 1: the trainer is 0).
+Both sides run the same code; the device picks the transport (weight_transfer/process_group.py).
+
+init_info (JSON, sent by the trainer; see NCCLTrainerInitInfo for the trainer's own form):
+    {"backend": "nccl", "master_address": str, "master_port": int, "world_size": int,
+     "rank_offset": 1, "dp_index": 0, "packed": true, "packed_buffer_size_bytes": int,
+     "packed_num_buffers": int, "timeout_s": float, "device_type": "cpu" | "cuda",
+     "group_generation": int}
+update_info (JSON): {"names": [...], "dtypes": [...], "shapes": [[...], ...], "call_id": int}
+
+Packed mode: both sides compute packing.plan_packs over the tensor list, and tensors travel
+packed into packed_num_buffers rotating buffers, so that the broadcast of one buffer overlaps
+filling (trainer) or unpacking (engine) of the others. Unpacked mode: one broadcast per tensor.
+
+One update_weights call, in time:
+
+    trainer rank 0                             engine worker
+    update_weights(info) in the background --> validate the metadata (the worker)
+    wait for store key ready/<call>/<rank> <--  set it, post the first receives
+    broadcast pack 0, 1, ...              ==>  wait, yield views, re-post the buffer
+    the call returns                      <--  every tensor landed
+
+A failure on either side aborts the group at both ends (a store key tells the engine when the
+trainer gives up); the trainer's next send_weights joins a fresh group (a new generation).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from weight_transfer.base import (
+    ParamMeta,
+    SyncStats,
+    TrainerWeightTransferEngine,
+    WeightSource,
+    WeightTransferEngine,
+    WeightUpdateInfo,
+)
+from weight_transfer.clients import call_in_background
+from weight_transfer.packing import ALIGN, parse_tensor_list, tensor_list
+from weight_transfer.process_group import (
+    Check,
+    StoreKeys,
+    TransferSettings,
+    WeightSyncGroup,
+    WeightSyncTransportError,
+    WireSpec,
+    connect_store,
+    first_line,
+    host_store,
+    receive_items,
+    send_items,
+    wait_for_keys,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+# =======================================================================================
+# Settings, checked the same way on both sides
+# =======================================================================================
+
+
+def _int_field(value: Any, where: str, minimum: int, maximum: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{where}: expected an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"[{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise ValueError(f"{where}: {value} is out of range (must be {bound})")
+    return value
+
+
+def _timeout_field(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{where}: expected a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _bool_field(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: expected true or false, got {value!r}")
+    return value
+
+
+def _address_field(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{where}: expected a host name or IP address, got {value!r}")
+    return value
+
+
+def _settings(packed: Any, buffer_size: Any, num_buffers: Any, prefix: str = "") -> TransferSettings:
+    return TransferSettings(
+        _bool_field(packed, f"{prefix}packed"),
+        _int_field(buffer_size, f"{prefix}packed_buffer_size_bytes", ALIGN),
+        _int_field(num_buffers, f"{prefix}packed_num_buffers", 1),
+    )
+
+
+@dataclass(frozen=True)
+class NCCLTrainerInitInfo:
+    """Trainer-side settings of the nccl backend; every trainer rank builds the same one.
+
+    world_size is the size of the weight-sync group: 1 sender + every engine worker.
+    master_port 0 lets the trainer pick a free port (the engine is told which).
+    """
+
+    backend: ClassVar[str] = "nccl"
+
+    master_address: str
+    master_port: int
+    world_size: int
+    packed: bool = True
+    packed_buffer_size_bytes: int = 1 << 30
+    packed_num_buffers: int = 2
+    # This process's trainer rank (0 sends) when torch.distributed is not initialized; when it
+    # is, the default group's rank decides, so that every rank can pass the same init info.
+    rank: int = 0
+    timeout_s: float = DEFAULT_TIMEOUT_S  # the longest any single wait may take
+
+    def __post_init__(self) -> None:
+        _address_field(self.master_address, "master_address")
+        _int_field(self.master_port, "master_port", 0, 65535)
+        _int_field(self.world_size, "world_size", 2)
+        _settings(self.packed, self.packed_buffer_size_bytes, self.packed_num_buffers)
+        _int_field(self.rank, "rank", 0)
+        _timeout_field(self.timeout_s, "timeout_s")
+
+    @property
+    def settings(self) -> TransferSettings:
+        return _settings(self.packed, self.packed_buffer_size_bytes, self.packed_num_buffers)
+
+
+@dataclass(frozen=True)
+class EngineInitInfo:
+    """init_info as an engine worker reads it (parse_init_info's result)."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    rank: int  # this worker's rank in the group
+    settings: TransferSettings
+    timeout_s: float
+    device_type: str
+    generation: int
+
+
+_ENGINE_FIELDS = (
+    "backend", "master_address", "master_port", "world_size", "rank_offset", "dp_index", "packed",
+    "packed_buffer_size_bytes", "packed_num_buffers", "timeout_s", "device_type", "group_generation",
+)
+_REQUIRED = ("master_address", "master_port", "world_size", "device_type")
+
+
+# =======================================================================================
+# Engine side
+# =======================================================================================
+
+
+class NCCLWeightTransferEngine(WeightTransferEngine):
+    """An engine worker's end of the group: joins it at init, receives each update_weights call's tensors."""
+
+    backend_name = "nccl"
+    _update_fields: tuple[str, ...] = ("names", "dtypes", "shapes", "call_id")
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        # One worker per engine until the engine has tensor/pipeline parallelism; its worker
+        # would then pass its rank and the engine's worker count here.
+        self.worker_rank, self.workers_per_engine = 0, 1
+        self.info: EngineInitInfo | None = None
+        self.store = None
+        self.keys: StoreKeys | None = None
+        self.group: WeightSyncGroup | None = None
+
+    # ---- init -------------------------------------------------------------------------------
+
+    def parse_init_info(self, init_info: dict) -> EngineInitInfo:
+        if not isinstance(init_info, Mapping):
+            raise ValueError(f"init_info: expected a dict, got {type(init_info).__name__}")
+        unknown = sorted(set(init_info) - set(_ENGINE_FIELDS))
+        if unknown:
+            raise ValueError(f"init_info: unknown field(s) {unknown} for backend {self.backend_name!r}")
+        missing = [f for f in _REQUIRED if f not in init_info]
+        if missing:
+            raise ValueError(f"init_info.{missing[0]}: missing (required: {list(_REQUIRED)})")
+        get = init_info.get
+        world_size = _int_field(init_info["world_size"], "init_info.world_size", 2)
+        rank_offset = _int_field(get("rank_offset", 1), "init_info.rank_offset", 1)
+        dp_index = _int_field(get("dp_index", 0), "init_info.dp_index", 0)
+        rank = rank_offset + dp_index * self.workers_per_engine + self.worker_rank
+        if rank >= world_size:
+            raise ValueError(
+                f"init_info.world_size: {world_size} leaves no rank for this worker "
+                f"(rank_offset {rank_offset} + dp_index {dp_index} * {self.workers_per_engine} "
+                f"+ worker {self.worker_rank} = {rank})"
+            )
+        device_type = get("device_type")
+        if device_type not in ("cpu", "cuda"):
+            raise ValueError(f"init_info.device_type: expected 'cpu' or 'cuda', got {device_type!r}")
+        if device_type != self.device.type:
+            raise ValueError(
+                f"init_info.device_type: the trainer sends from {device_type} but this engine runs on "
+                f"{self.device.type}; both ends of the group need the same kind of device"
+            )
+        return EngineInitInfo(
+            master_address=_address_field(init_info["master_address"], "init_info.master_address"),
+            master_port=_int_field(init_info["master_port"], "init_info.master_port", 1, 65535),
+            world_size=world_size,
+            rank=rank,
+            settings=_settings(
+                get("packed", True), get("packed_buffer_size_bytes", 1 << 30), get("packed_num_buffers", 2),
+                prefix="init_info.",
+            ),
+            timeout_s=_timeout_field(get("timeout_s", DEFAULT_TIMEOUT_S), "init_info.timeout_s"),
+            device_type=device_type,
+            generation=_int_field(get("group_generation", 0), "init_info.group_generation", 0),
+        )
+
+    def init_transfer(self, init_info: EngineInitInfo) -> None:
+        keys = StoreKeys(init_info.generation)
+        store = connect_store(init_info.master_address, init_info.master_port, init_info.timeout_s)
+        store.set(keys.joined(init_info.rank), "1")  # lets the trainer start its side of the rendezvous
+        self.group = WeightSyncGroup(
+            store, prefix=keys.group, rank=init_info.rank, world_size=init_info.world_size, device=self.device,
+            timeout_s=init_info.timeout_s, address=init_info.master_address,
+        )
+        self.info, self.store, self.keys = init_info, store, keys
+
+    # ---- one update_weights call --------------------------------------------------------------
+
+    def parse_update_info(self, update_info: dict) -> WeightUpdateInfo:
+        info = self._parse_update_fields(update_info)
+        self._require_group()
+        return info
+
+    def _parse_update_fields(self, update_info: dict) -> WeightUpdateInfo:
+        if not isinstance(update_info, Mapping):
+            raise ValueError(f"update_info: expected a dict, got {type(update_info).__name__}")
+        unknown = sorted(set(update_info) - set(self._update_fields))
+        if unknown:
+            raise ValueError(f"update_info: unknown field(s) {unknown} for backend {self.backend_name!r}")
+        names, dtypes, shapes = parse_tensor_list(dict(update_info))
+        call_id = _int_field(update_info.get("call_id"), "update_info.call_id", 1)
+        return WeightUpdateInfo(names, dtypes, shapes, extra={"call_id": call_id})
+
+    def receive_weights(self, info: WeightUpdateInfo) -> Iterator[tuple[str, torch.Tensor]]:
+        specs = [WireSpec(n, d, s) for n, d, s in zip(info.names, info.dtypes, info.shapes)]
+        stream = self._receive(info.extra["call_id"], specs)
+        try:
+            for name, tensor in zip(info.names, stream):
+                yield name, tensor
+            next(stream, None)  # runs the stream to its end (marks the call complete)
+        finally:
+            stream.close()  # after a failure or an early stop: aborts the group (see _receive)
+
+    def _receive(self, call_id: int, specs: Sequence[WireSpec]) -> Iterator[torch.Tensor]:
+        """The call's tensors off the wire; any failure, or a consumer that stops early, aborts the group."""
+        group = self._require_group()
+        self.store.set(self.keys.ready(call_id, self.info.rank), "1")  # metadata validated, receives posted next
+        complete = False
+        try:
+            yield from receive_items(group, specs, self.info.settings, self._abort_check(call_id))
+            complete = True
+        finally:
+            if not complete:  # the trainer may still be sending: this group cannot pair up again
+                group.abort()
+
+    def _abort_check(self, call_id: int) -> Check:
+        key = self.keys.abort(call_id)
+        store = self.store
+
+        def check() -> None:
+            try:
+                aborted = store.check([key])
+                reason = store.get(key).decode(errors="replace") if aborted else ""
+            except RuntimeError as e:  # the store lives in the trainer's rank 0
+                raise WeightSyncTransportError(
+                    f"lost the trainer (its TCPStore stopped answering): {first_line(e)}"
+                ) from e
+            if aborted:
+                raise WeightSyncTransportError(f"the trainer gave up on this update: {reason}")
+
+        return check
+
+    def _require_group(self) -> WeightSyncGroup:
+        if self.group is None:
+            raise RuntimeError("no weight-sync group: call init_weight_transfer_engine first")
+        if self.group.aborted:
+            raise RuntimeError(
+                "the weight-sync group was aborted by a failed transfer; the trainer must call "
+                "init_weight_transfer_engine again (its next send_weights does)"
+            )
+        return self.group
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group = self.store = None
+
+
+# =======================================================================================
+# Trainer side
+# =======================================================================================
+
+
+def _device_of(source: WeightSource | None) -> torch.device:
+    """Where the trainer's tensors live, which decides the transport (gloo on CPU, NCCL on CUDA)."""
+    if source is not None:
+        for _, tensor in source.iter_local():
+            device = tensor.device
+            break
+        else:
+            device = torch.device("cpu")
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _raise_engine_error(future: Future, must_be_pending: bool = False) -> Check:
+    """A check that raises the engine's error as soon as its background call failed."""
+
+    def check() -> None:
+        if future.done():
+            error = future.exception()
+            if error is not None:
+                raise error
+            if must_be_pending:
+                raise WeightSyncTransportError("the engine answered before it received anything")
+
+    return check
+
+
+def _result(future: Future, timeout_s: float, what: str) -> Any:
+    try:
+        return future.result(timeout=timeout_s)
+    except TimeoutError:
+        if future.done():  # the call itself raised a TimeoutError
+            raise
+        raise TimeoutError(f"{what}: the engine did not answer within timeout_s={timeout_s:g}") from None
+
+
+def _in_metadata_order(metas: Sequence[ParamMeta], pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[torch.Tensor]:
+    """The tensors of iter_full(), checked against the metadata's names and run to the end."""
+    pairs = iter(pairs)
+    for meta in metas:
+        item = next(pairs, None)
+        if item is None:
+            raise ValueError(f"source: iter_full() ended before {meta.name!r}; its metadata lists more tensors")
+        if item[0] != meta.name:
+            raise ValueError(f"source: iter_full() yielded {item[0]!r} where its metadata has {meta.name!r}")
+        yield item[1]
+    extra = next(pairs, None)
+    if extra is not None:
+        raise ValueError(f"source: iter_full() yielded {extra[0]!r}, which its metadata does not list")
+
+
+class NCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine):
+    """The trainer's end: rank 0 hosts the store, joins the group with the engine and broadcasts."""
+
+    backend = "nccl"
+    init_info_type: ClassVar[type] = NCCLTrainerInitInfo
+
+    def __init__(self, init_info: NCCLTrainerInitInfo, client, source, rank: int) -> None:
+        super().__init__(init_info, client, source, rank)
+        self.settings = init_info.settings
+        self.timeout_s = init_info.timeout_s
+        self.device: torch.device | None = None
+        self.store = None
+        self.keys: StoreKeys | None = None
+        self.group: WeightSyncGroup | None = None
+        self.generation = -1
+        self.call_id = 0
+
+    @classmethod
+    def trainer_init(cls, init_info, *, client, source=None):
+        if not isinstance(init_info, cls.init_info_type):
+            raise ValueError(f"init_info: expected a {cls.init_info_type.__name__}, got {type(init_info).__name__}")
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else init_info.rank
+        engine = cls(init_info, client, source, rank)
+        if engine.rank == 0:
+            if client is None:
+                raise ValueError("client: trainer rank 0 (the sender) needs a client to reach the engine")
+            engine.device = _device_of(engine.source)
+            engine._join()
+        return engine
+
+    # ---- the group ----------------------------------------------------------------------------
+
+    def _join(self) -> None:
+        """Starts a new group generation with the engine: the engine's init runs while we rendezvous."""
+        info = self.init_info
+        if self.store is None:
+            self.store = host_store(info.master_address, info.master_port, self.timeout_s)
+        num_workers = int(self._bounded("get_world_size", self.client.get_world_size))
+        if info.world_size != 1 + num_workers:
+            raise ValueError(
+                f"world_size: {info.world_size}, but the engine has {num_workers} worker(s), so the group "
+                f"(1 sender + the workers) has {1 + num_workers}"
+            )
+        self.generation += 1
+        self.call_id = 0
+        keys = StoreKeys(self.generation)
+        future = call_in_background(self.client.init_weight_transfer_engine, self._engine_init_info())
+        wait_for_keys(
+            self.store, [keys.joined(r) for r in range(1, info.world_size)], self.timeout_s,
+            "engine workers joining the weight-sync group", _raise_engine_error(future),
+        )
+        group = WeightSyncGroup(
+            self.store, prefix=keys.group, rank=0, world_size=info.world_size, device=self.device,
+            timeout_s=self.timeout_s, address=info.master_address,
+        )
+        try:
+            _result(future, self.timeout_s, "init_weight_transfer_engine")
+        except BaseException:
+            group.close()
+            raise
+        self.keys, self.group = keys, group
+
+    def _engine_init_info(self) -> dict:
+        info = self.init_info
+        return {
+            "backend": self.backend,
+            "master_address": info.master_address,
+            "master_port": int(self.store.port),
+            "world_size": info.world_size,
+            "rank_offset": 1,
+            "packed": info.packed,
+            "packed_buffer_size_bytes": info.packed_buffer_size_bytes,
+            "packed_num_buffers": info.packed_num_buffers,
+            "timeout_s": info.timeout_s,
+            "device_type": self.device.type,
+            "group_generation": self.generation,
+        }
+
+    def _bounded(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """A client call that must answer within timeout_s (whatever the client's own timeout)."""
+        return _result(call_in_background(fn, *args), self.timeout_s, what)
+
+    # ---- one sync -----------------------------------------------------------------------------
+
+    def send_weights(self, source=None, *, weight_version: str | None = None) -> SyncStats:
+        src = self._source(source)
+        if self.rank != 0:
+            for _ in src.iter_full():  # sharded sources gather collectively: every rank runs the pass
+                pass
+            return SyncStats(self.backend, weight_version=weight_version)
+        start = time.perf_counter()
+        metas = src.metadata
+        stats = SyncStats(self.backend, num_tensors=len(metas), weight_version=weight_version)
+        stats.dense_bytes = sum(m.nbytes for m in metas)
+
+        def body() -> None:
+            specs = [WireSpec(m.name, m.dtype, tuple(m.shape)) for m in metas]
+            update_info = tensor_list([m.name for m in metas], [m.dtype for m in metas], [m.shape for m in metas])
+            stats.bytes_sent = self._send_call(update_info, specs, _in_metadata_order(metas, src.iter_full()))
+
+        self._run_update(body, weight_version)
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def _run_update(self, body: Callable[[], None], weight_version: str | None) -> None:
+        """start_weight_update, body(), finish_weight_update; on any failure the engine is told to restore."""
+        if self.group is None or self.group.aborted:
+            self._join()  # the last sync failed: both ends dropped that group
+        self._bounded("start_weight_update", self.client.start_weight_update)
+        try:
+            body()
+            self._bounded("finish_weight_update", self.client.finish_weight_update, weight_version)
+        except BaseException:
+            self._abort_engine_update()
+            raise
+
+    def _send_call(self, update_info: dict, specs: Sequence[WireSpec], tensors: Iterator[torch.Tensor]) -> int:
+        """One update_weights call: the engine validates the metadata, then the tensors are broadcast."""
+        self.call_id += 1
+        call_id = self.call_id
+        future = call_in_background(self.client.update_weights, {**update_info, "call_id": call_id})
+        try:
+            engine_ranks = range(1, self.init_info.world_size)
+            wait_for_keys(
+                self.store, [self.keys.ready(call_id, r) for r in engine_ranks], self.timeout_s,
+                "engine workers validating the update", _raise_engine_error(future, must_be_pending=True),
+            )
+            sent = send_items(self.group, specs, tensors, self.settings, _raise_engine_error(future))
+            next(tensors, None)  # lets the source check that it has nothing left
+            _result(future, self.timeout_s, "update_weights")
+            return sent
+        except BaseException as e:
+            try:  # tell the engine at once rather than letting it wait out its timeout
+                self.store.set(self.keys.abort(call_id), f"{type(e).__name__}: {e}"[:2000])
+            except RuntimeError:
+                pass
+            # Broadcasts may be in flight, or the engine may have dropped its end (or been given
+            # another trainer's): the next sync joins a fresh group rather than guess.
+            self.group.abort()
+            raise
+
+    def _abort_engine_update(self) -> None:
+        try:
+            self._bounded("abort_weight_update", self.client.abort_weight_update)
+        except Exception as e:  # e.g. the engine already ended the update itself, or it is gone
+            logger.info("abort_weight_update after a failed sync: %s", e)
+
+    def shutdown(self) -> None:
+        if self.rank == 0 and self.group is not None and self.client is not None:
+            try:
+                self._bounded("shutdown_weight_transfer_engine", self.client.shutdown_weight_transfer_engine)
+            except Exception as e:
+                logger.warning("shutdown_weight_transfer_engine failed: %s", e)
+        if self.group is not None:
+            self.group.close()
+        self.group = self.store = None

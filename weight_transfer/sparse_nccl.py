@@ -1,0 +1,276 @@
+"""The "sparse_nccl" backend: the nccl transport carrying coordinate patches (SparseWeightPatch) beside dense tensors.
+
+init_info: as for "nccl" (weight_transfer/nccl.py), with "backend": "sparse_nccl".
+update_info (JSON): {"names", "dtypes", "shapes", "call_id"} as for "nccl", plus
+    "nnz": [int | null, ...]   per tensor: the number of changed coordinates of a patch, or
+                               null for a dense tensor. dtypes and shapes are the full tensor's.
+
+On the wire (one packing plan over these items, as for "nccl"):
+
+    [indices of every patch, concatenated: int32]  only if the call has patches
+    [values of every patch, concatenated]           one item per dtype, in first-seen order
+    [dense tensors, in order]
+
+The engine receives the patch section first (it is small by construction: the sender keeps a
+call's patches under one pack buffer), validates every patch before it yields anything, then
+yields the pairs in the announced order: a SparseWeightPatch for a patch (the worker applies it
+through the HF layout, so fused parameters get the right slice), a tensor for a dense entry.
+
+The trainer side diffs each tensor against a DeltaTracker (weight_transfer/delta.py), so a sync
+sends patches only where they are cheaper, and the engine ends bit-identical to a dense sync.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from weight_transfer.base import ParamMeta, SparseWeightPatch, SyncStats, WeightUpdateInfo
+from weight_transfer.delta import MAX_PATCH_NUMEL, DeltaTracker, patch_nbytes
+from weight_transfer.nccl import (
+    NCCLTrainerInitInfo,
+    NCCLTrainerWeightTransferEngine,
+    NCCLWeightTransferEngine,
+    _in_metadata_order,
+    _int_field,
+)
+from weight_transfer.packing import dtype_name, tensor_list
+from weight_transfer.process_group import WireSpec
+
+Entry = torch.Tensor | SparseWeightPatch
+
+
+def _value_dtypes(dtypes: Sequence[torch.dtype], nnz: Sequence[int | None]) -> list[torch.dtype]:
+    """The patches' value dtypes, in first-seen order (one wire item each)."""
+    return list(dict.fromkeys(d for d, n in zip(dtypes, nnz) if n is not None))
+
+
+def sparse_wire_specs(
+    names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[tuple[int, ...]], nnz: Sequence[int | None]
+) -> list[WireSpec]:
+    """The call's wire items (see the module docstring); sender and receiver compute the same list."""
+    specs = []
+    if any(n is not None for n in nnz):
+        specs.append(WireSpec("patch indices", torch.int32, (sum(n for n in nnz if n is not None),)))
+        for dtype in _value_dtypes(dtypes, nnz):
+            total = sum(n for d, n in zip(dtypes, nnz) if n is not None and d == dtype)
+            specs.append(WireSpec(f"patch values ({dtype_name(dtype)})", dtype, (total,)))
+    specs += [WireSpec(name, d, tuple(s)) for name, d, s, n in zip(names, dtypes, shapes, nnz) if n is None]
+    return specs
+
+
+# =======================================================================================
+# Engine side
+# =======================================================================================
+
+
+class SparseNCCLWeightTransferEngine(NCCLWeightTransferEngine):
+    """Receives patches and dense tensors; yields SparseWeightPatch objects for the patches."""
+
+    backend_name = "sparse_nccl"
+    _update_fields = ("names", "dtypes", "shapes", "call_id", "nnz")
+
+    def _parse_update_fields(self, update_info: dict) -> WeightUpdateInfo:
+        info = super()._parse_update_fields(update_info)
+        nnz = update_info.get("nnz")
+        if not isinstance(nnz, list) or len(nnz) != len(info.names):
+            raise ValueError(
+                "update_info.nnz: expected a list with one entry per tensor (an int for a patch, null for a "
+                f"dense tensor), got {type(nnz).__name__} of length {len(nnz) if isinstance(nnz, list) else '-'}"
+            )
+        for i, (name, dtype, shape, n) in enumerate(zip(info.names, info.dtypes, info.shapes, nnz)):
+            if n is None:
+                continue
+            where = f"update_info.nnz[{i}] ({name!r})"
+            numel = math.prod(shape)
+            _int_field(n, where, 0, numel)
+            if not dtype.is_floating_point:
+                raise ValueError(f"{where}: a patch needs a floating-point dtype, the tensor is {dtype_name(dtype)}")
+            if numel > MAX_PATCH_NUMEL:
+                raise ValueError(f"{where}: {numel} elements are more than int32 patch indices address; send it dense")
+        info.extra["nnz"] = nnz
+        return info
+
+    def receive_weights(self, info: WeightUpdateInfo) -> Iterator[tuple[str, Entry]]:
+        nnz = info.extra["nnz"]
+        stream = self._receive(info.extra["call_id"], sparse_wire_specs(info.names, info.dtypes, info.shapes, nnz))
+        try:
+            patches = _take_patches(info, nnz, stream)  # every patch checked before anything is yielded
+            for name, n in zip(info.names, nnz):
+                yield name, (next(stream) if n is None else patches[name])
+            next(stream, None)  # runs the stream to its end (marks the call complete)
+        finally:
+            stream.close()  # after a failure or an early stop: aborts the group
+
+
+def _take_patches(
+    info: WeightUpdateInfo, nnz: Sequence[int | None], stream: Iterator[torch.Tensor]
+) -> dict[str, SparseWeightPatch]:
+    """Reads the patch section off the stream (copied out: its buffer is reused) and validates each patch."""
+    if all(n is None for n in nnz):
+        return {}
+    indices = next(stream).clone()
+    values = {dtype: next(stream).clone() for dtype in _value_dtypes(info.dtypes, nnz)}
+    index_at = 0
+    value_at = dict.fromkeys(values, 0)
+    patches = {}
+    for name, dtype, shape, n in zip(info.names, info.dtypes, info.shapes, nnz):
+        if n is None:
+            continue
+        patch = SparseWeightPatch(
+            name, indices[index_at : index_at + n], values[dtype][value_at[dtype] : value_at[dtype] + n], tuple(shape)
+        )
+        patch.validate(dtype)  # ValueError naming the tensor; nothing has been yielded yet
+        patches[name] = patch
+        index_at += n
+        value_at[dtype] += n
+    return patches
+
+
+# =======================================================================================
+# Trainer side
+# =======================================================================================
+
+
+@dataclass(frozen=True)
+class SparseNCCLTrainerInitInfo(NCCLTrainerInitInfo):
+    """NCCLTrainerInitInfo plus the delta tracker's settings (trainer-only: the engine never sees them)."""
+
+    backend: ClassVar[str] = "sparse_nccl"
+
+    max_changed_fraction: float = 0.25  # a tensor with more changed coordinates than this goes dense
+    snapshot_device: str = "cpu"  # where the tracker keeps the last-synced copy of every tensor
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        DeltaTracker(self.max_changed_fraction, self.snapshot_device)  # validates both fields
+
+
+def _entry_meta(name: str, entry: Entry) -> tuple[torch.dtype, tuple[int, ...], int | None]:
+    if isinstance(entry, SparseWeightPatch):
+        return entry.values.dtype, tuple(entry.full_shape), int(entry.indices.numel())
+    if isinstance(entry, torch.Tensor):
+        return entry.dtype, tuple(entry.shape), None
+    raise ValueError(f"{name!r}: expected a tensor or a SparseWeightPatch, got {type(entry).__name__}")
+
+
+def _wire_nbytes(dtype: torch.dtype, shape: tuple[int, ...], nnz: int | None) -> int:
+    if nnz is not None:
+        return patch_nbytes(nnz, dtype)
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+class SparseNCCLTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
+    """Sends what changed since the last successful sync: patches where cheaper, dense tensors elsewhere."""
+
+    backend = "sparse_nccl"
+    init_info_type: ClassVar[type] = SparseNCCLTrainerInitInfo
+
+    def __init__(self, init_info: SparseNCCLTrainerInitInfo, client, source, rank: int) -> None:
+        super().__init__(init_info, client, source, rank)
+        self.tracker = DeltaTracker(init_info.max_changed_fraction, init_info.snapshot_device)
+
+    def send_weights(self, source=None, *, weight_version: str | None = None) -> SyncStats:
+        src = self._source(source)
+        if self.rank != 0:
+            for _ in src.iter_full():  # sharded sources gather collectively: every rank runs the pass
+                pass
+            return SyncStats(self.backend, weight_version=weight_version)
+        start = time.perf_counter()
+        metas = src.metadata
+        try:
+            # A patch is only chosen when cheaper than dense, so dense bytes bound each entry.
+            stats = self._send_entries(self._diffs(metas, src.iter_full()), [m.nbytes for m in metas], weight_version)
+        except BaseException:
+            self.tracker.discard()  # the engine kept its weights: diff against them next time
+            raise
+        self.tracker.commit()
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def send_patches(self, pairs: Iterable[tuple[str, Entry]], *, weight_version: str | None = None) -> SyncStats:
+        """Sends (hf_name, tensor or SparseWeightPatch) pairs made by the caller, as one update (rank 0 only).
+
+        The engine's weights then differ from the tracker's snapshots, so the tracker forgets
+        them: the next send_weights is dense.
+        """
+        if self.rank != 0:
+            raise ValueError(f"send_patches: only trainer rank 0 sends (this is rank {self.rank})")
+        pairs = list(pairs)
+        for name, entry in pairs:
+            _entry_meta(name, entry)
+            if isinstance(entry, SparseWeightPatch):
+                if entry.name != name:
+                    raise ValueError(f"{name!r}: the patch is named {entry.name!r}")
+                entry.validate()
+        self.tracker.reset()
+        start = time.perf_counter()
+        bounds = [_wire_nbytes(*_entry_meta(name, entry)) for name, entry in pairs]
+        stats = self._send_entries(iter(pairs), bounds, weight_version)
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def _diffs(self, metas: Sequence[ParamMeta], pairs) -> Iterator[tuple[str, Entry]]:
+        tensors = _in_metadata_order(metas, pairs)
+        for meta in metas:
+            yield meta.name, self.tracker.diff(meta.name, next(tensors))
+        next(tensors, None)  # lets the source check that it has nothing left
+
+    def _send_entries(
+        self, entries: Iterator[tuple[str, Entry]], bounds: Sequence[int], weight_version: str | None
+    ) -> SyncStats:
+        """One update, batched into update_weights calls of at most one pack buffer of wire bytes each.
+
+        bounds[i] bounds entry i's wire bytes before it is produced, so a call goes out before
+        producing (for a sharded source: gathering) an entry that would not fit: the trainer holds
+        at most one buffer's worth (or one larger tensor), and the engine's copy of a call's
+        patches stays as small.
+        """
+        stats = SyncStats(self.backend, weight_version=weight_version)
+        stats.extra.update(num_patches=0, num_dense=0, num_calls=0)
+
+        def flush(chunk: list[tuple[str, Entry]]) -> None:
+            stats.bytes_sent += self._send_chunk(chunk)
+            stats.extra["num_calls"] += 1
+            chunk.clear()
+
+        def body() -> None:
+            chunk: list[tuple[str, Entry]] = []
+            chunk_bytes = 0
+            for bound in bounds:
+                if chunk and chunk_bytes + bound > self.settings.buffer_size:
+                    flush(chunk)
+                    chunk_bytes = 0
+                name, entry = next(entries)
+                dtype, shape, nnz = _entry_meta(name, entry)
+                stats.num_tensors += 1
+                stats.dense_bytes += _wire_nbytes(dtype, shape, None)
+                stats.extra["num_dense" if nnz is None else "num_patches"] += 1
+                chunk.append((name, entry))
+                chunk_bytes += _wire_nbytes(dtype, shape, nnz)
+            if chunk:
+                flush(chunk)
+            next(entries, None)  # lets the source check that it has nothing left
+
+        self._run_update(body, weight_version)
+        return stats
+
+    def _send_chunk(self, chunk: list[tuple[str, Entry]]) -> int:
+        names = [name for name, _ in chunk]
+        metas = [_entry_meta(name, entry) for name, entry in chunk]
+        dtypes, shapes, nnz = [m[0] for m in metas], [m[1] for m in metas], [m[2] for m in metas]
+        patches = [entry for _, entry in chunk if isinstance(entry, SparseWeightPatch)]
+        items: list[torch.Tensor] = []
+        if patches:
+            items.append(torch.cat([p.indices.to(self.device) for p in patches]))
+            for dtype in _value_dtypes(dtypes, nnz):
+                items.append(torch.cat([p.values.to(self.device) for p in patches if p.values.dtype == dtype]))
+        items += [entry for _, entry in chunk if not isinstance(entry, SparseWeightPatch)]
+        update_info: dict[str, Any] = {**tensor_list(names, dtypes, shapes), "nnz": nnz}
+        return self._send_call(update_info, sparse_wire_specs(names, dtypes, shapes, nnz), iter(items))
+
