@@ -15,6 +15,10 @@ SHAPES: dict[str, tuple[str, dict]] = {
         hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
         intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960,
         rope_theta=1000000.0, rms_norm_eps=1e-6)),
+    "qwen2.5-1.5b": ("qwen2", dict(
+        hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+        intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
+        rope_theta=1000000.0, rms_norm_eps=1e-6)),
     "qwen2.5-7b": ("qwen2", dict(
         hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
         intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=32768,
@@ -22,10 +26,29 @@ SHAPES: dict[str, tuple[str, dict]] = {
 }
 
 
+def shape_config(shape: str, root: str = "/tmp/rollout-bench-config") -> str:
+    """A checkpoint directory of `shape` without weights (config, tokenizer), for load_format="dummy"."""
+    from engine.tiny_models import make_tiny_checkpoint
+
+    arch, overrides = SHAPES[shape]
+    path = Path(root) / shape
+    if not (path / "config.json").exists():
+        make_tiny_checkpoint(path, arch, dtype="bfloat16", **{**overrides, "num_hidden_layers": 1, "hidden_size": 64,
+                                                               "intermediate_size": 64, "num_attention_heads": 4,
+                                                               "num_key_value_heads": 2, "vocab_size": 1024})
+        cfg = json.loads((path / "config.json").read_text())
+        cfg.pop("layer_types", None)  # per-layer list sized for the 1-layer skeleton; rebuilt from num_hidden_layers
+        cfg.pop("head_dim", None)
+        cfg.update(overrides)
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
+        (path / "model.safetensors").unlink()  # the skeleton's weights do not fit the shape
+    return str(path)
+
+
 def shape_checkpoint(shape: str, root: str = "/tmp/rollout-bench") -> str:
     """Builds (once) a bf16 checkpoint of `shape` with random weights under `root` and returns its path.
 
-    The 0.6B shape goes through make_tiny_checkpoint; the 7B shape writes its random tensors
+    The 0.6B shape goes through make_tiny_checkpoint; the larger shapes write their random tensors
     from the GPU directly (a float32 CPU init of 7B parameters would take minutes).
     """
     from engine.tiny_models import make_tiny_checkpoint

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # The GPU tier and the GPU benchmarks in one device call; logs and JSON go to $OUT (default benchmarks/out).
-# Usage: benchmarks/run_gpu.sh [tests] [a] [b] [c] [d]   (no argument: all of them)
+# Usage: benchmarks/run_gpu.sh [tests] [a] [b] [c] [d] [w]   (no argument: all of them)
 set -uo pipefail
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-parts=${*:-tests a b c d}
+parts=${*:-tests a b c d w}
 py=${PYTHON:-python3}
 run() { local name=$1; shift; echo "=== $name: $*"; local t=$SECONDS; "$@" 2>&1 | tee "$OUT/$name.log"; echo "=== $name took $((SECONDS - t)) s"; }
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 for part in $parts; do
   case $part in
-    tests) run gpu_tests $py -m pytest tests/gpu -q -m gpu -p no:cacheprovider ;;
+    tests) run gpu_tests $py -m pytest tests/gpu tests/weights/test_weight_updates_gpu.py tests/weights/test_nccl_backend.py \
+             -q -m gpu -p no:cacheprovider -rA ;;
     a) run offline_0.6b $py benchmarks/offline_throughput.py --shape qwen3-0.6b --num-requests 256 \
          --input-len 100 1024 --output-len 100 1024 --max-num-seqs 256 --max-num-batched-tokens 8192 \
          --temperature 0.6 --hf-num-requests 16 --hf-batch-size 16 --json-out "$OUT/h200-offline-throughput.json" ;;
@@ -21,6 +22,8 @@ for part in $parts; do
          --input-len 100 1024 --output-len 100 1024 --max-num-seqs 256 --max-num-batched-tokens 8192 \
          --temperature 0.6 --hf-num-requests 8 --hf-batch-size 8 --json-out "$OUT/h200-7b-offline-throughput.json"
        run decode_7b $py benchmarks/decode_latency.py --shape qwen2.5-7b --json-out "$OUT/h200-7b-decode-latency.json" ;;
+    w) run weight_sync $py benchmarks/weight_sync.py --device cuda --backends ipc --buffer-mib 1024 --syncs 5 \
+         --models qwen3-0.6b qwen2.5-1.5b qwen2.5-7b --json-out "$OUT/h200-weight-sync.json" ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+LoadFormat = Literal["auto", "dummy"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -30,12 +31,15 @@ class ModelConfig:
     """What returned logprobs mean: raw model output, or after penalties/temperature/top-k/top-p."""
     enforce_eager: bool = False
     """Never capture CUDA graphs: decode steps run eagerly too (GPU only; CPU is always eager)."""
+    load_format: LoadFormat = "auto"
+    """auto: read the checkpoint's *.safetensors; dummy: random weights of the config's shapes, nothing read (benchmarks, weight-sync targets)."""
 
     def __post_init__(self) -> None:
         if self.tokenizer is None:
             self.tokenizer = self.model
         _check_choice("dtype", self.dtype, DTypeName)
         _check_choice("logprobs_mode", self.logprobs_mode, LogprobsMode)
+        _check_choice("load_format", self.load_format, LoadFormat)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not os.path.isfile(os.path.join(self.model, "config.json")):

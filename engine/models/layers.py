@@ -32,6 +32,16 @@ def _new_param(*shape: int, loader=default_weight_loader, fill: float = 0.0) -> 
     return param
 
 
+def _param_index(module: nn.Module) -> dict[str, nn.Parameter]:
+    """{name: parameter} of `module`, built once: a weight sync lands tensors one call at a time,
+    and walking the module tree on each would cost more than the copy. The structure of a model
+    never changes after construction (sleep mode swaps .data, not the Parameter objects)."""
+    index = module.__dict__.get("_param_index")
+    if index is None:
+        index = module.__dict__["_param_index"] = dict(module.named_parameters())
+    return index
+
+
 def load_weights_with_mapping(
     module: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
@@ -44,7 +54,7 @@ def load_weights_with_mapping(
     with shard id 1 (the index of k_proj in the mapping's list). Names in `skip` and rotary
     `inv_freq` buffers are ignored. Returns the parameter names whose every shard was loaded.
     """
-    params = dict(module.named_parameters())
+    params = _param_index(module)
     skip = set(skip)
     shards_seen: dict[str, set] = {}
     loaded: set[str] = set()

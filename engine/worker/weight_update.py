@@ -155,11 +155,13 @@ class WeightUpdater:
         self._validate(list(zip(info.names, info.dtypes, info.shapes)))  # before anything moves
         first_saved_here: list[str] = []  # rollback copies this call made (restored if it fails)
         resaved: dict[str, torch.Tensor] = {}  # call-start values of weights an earlier call changed
+        # NaN/inf checks are queued on the device and read once per call (one host sync, not one per tensor).
+        finite_checks: list[tuple[str, torch.Tensor]] = []
         name = None
         count = 0
         try:
             for name, item in engine.receive_weights(info):
-                self._check_received(name, item)
+                self._check_received(name, item, finite_checks)
                 target = self._landing_name(name)
                 if target is not None:
                     if target not in self._saved:
@@ -169,6 +171,7 @@ class WeightUpdater:
                         resaved[target] = self.layout[target].tensor().clone()
                     self._land(target, item)
                 count += 1
+            _raise_if_not_finite(finite_checks)
         except ValueError as e:  # a received tensor failed validation: undo this call only
             self._restore(first_saved_here, resaved)
             raise ValueError(f"weight update rejected, no weight was changed: {e}") from None
@@ -291,8 +294,11 @@ class WeightUpdater:
             problems.append(f"{name!r}: contains NaN or inf")
         return problems
 
-    def _check_received(self, name: str, item: torch.Tensor | SparseWeightPatch) -> None:
-        """Checks one received tensor or patch against the model; ValueError names it."""
+    def _check_received(
+        self, name: str, item: torch.Tensor | SparseWeightPatch, finite_checks: list[tuple[str, torch.Tensor]]
+    ) -> None:
+        """Checks one received tensor or patch against the model (ValueError names it); a dense
+        tensor's NaN/inf check is appended to finite_checks, for _raise_if_not_finite."""
         if isinstance(item, SparseWeightPatch):
             slot = self.layout.get(name)
             if slot is None:
@@ -301,9 +307,13 @@ class WeightUpdater:
                 raise ValueError(f"{name!r}: patch shape {list(item.full_shape)} does not match the model's {list(slot.shape)}")
             item.validate()
             return
-        problems = self._problems(name, item.dtype, tuple(item.shape), item)
+        problems = self._problems(name, item.dtype, tuple(item.shape))
         if problems:
             raise ValueError("; ".join(problems))
+        if item.dtype.is_floating_point and item.numel():
+            finite_checks.append((name, torch.isfinite(item).all()))
+            if self.rollback == "none":  # nothing to restore from: check before it lands
+                _raise_if_not_finite(finite_checks[-1:])
 
     # ---- inspection ----------------------------------------------------------------------------
 
@@ -328,3 +338,12 @@ class WeightUpdater:
             result.update(compare_checksums(checksums, baseline, optional=aliases))
         return result
 
+
+def _raise_if_not_finite(checks: list[tuple[str, torch.Tensor]]) -> None:
+    """Raises ValueError naming the first tensor whose queued isfinite().all() came out False."""
+    if not checks:
+        return
+    ok = torch.stack([flag for _, flag in checks]).cpu()  # the call's one host sync
+    if not bool(ok.all()):
+        bad = [name for (name, _), good in zip(checks, ok.tolist()) if not good]
+        raise ValueError(f"{bad[0]!r}: contains NaN or inf" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))

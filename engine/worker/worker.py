@@ -51,7 +51,7 @@ class Worker:
         torch.manual_seed(config.model.seed)
 
         self.hf_config = load_hf_config(config.model.model)
-        self.model = load_model(config.model.model, self.hf_config, self.dtype, self.device)
+        self.model = load_model(config.model.model, self.hf_config, self.dtype, self.device, config.model.load_format)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.model_runner = ModelRunner(
             config,

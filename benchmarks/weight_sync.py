@@ -1,0 +1,257 @@
+"""Weight sync: seconds per sync and GB/s for each backend, from send_weights() start to the engine serving the new version.
+
+The engine runs in its own process (RolloutWorker(multiprocess=True), or a RolloutWorker Ray actor
+for sharded_rdt) with the model's checkpoint; the trainer is this process and holds random
+weights of the same shapes (on the engine's device). Each backend does one warm-up sync (buffers
+are allocated and exported, process groups formed) and then --syncs timed syncs, each of freshly
+changed weights; the engine's version is checked after every sync and its checksums after the last.
+
+    python benchmarks/weight_sync.py                                   # CPU: every backend, tiny and ~100M
+    python benchmarks/weight_sync.py --device cuda --backends ipc --models qwen3-0.6b qwen2.5-1.5b qwen2.5-7b
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workload import resolve_model, write_json  # noqa: E402
+
+CPU_BACKENDS = ["local", "nccl", "nccl-unpacked", "sparse_nccl", "ipc", "sharded_rdt"]
+# ~100M parameters: 12 llama layers of width 768 and a 8192-token vocabulary (untied head).
+CPU_SHAPES = {
+    "100m": ("llama", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                           intermediate_size=2048, vocab_size=8192, tie_word_embeddings=False)),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--backends", nargs="+", default=None, help=f"default on CPU: {' '.join(CPU_BACKENDS)}; on CUDA: ipc")
+    p.add_argument("--models", nargs="+", default=None,
+                   help="tiny-llama, 100m (CPU), qwen3-0.6b, qwen2.5-1.5b, qwen2.5-7b (GPU shapes, random bf16 weights)")
+    p.add_argument("--syncs", type=int, default=3, help="timed syncs per backend and model (after one warm-up)")
+    p.add_argument("--buffer-mib", type=int, default=256, help="packed buffer size for packed backends")
+    p.add_argument("--sparse-fraction", type=float, default=0.01, help="sparse_nccl: fraction of coordinates changed per sync")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument("--skip-checksums", action="store_true",
+                   help="skip the final checksum comparison (always skipped above 4 GB of weights)")
+    p.add_argument("--json-out", default="benchmarks/out/weight_sync.json")
+    return p.parse_args()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_path(name: str, device: str) -> str:
+    if name in CPU_SHAPES:
+        from engine.tiny_models import make_tiny_checkpoint
+
+        arch, overrides = CPU_SHAPES[name]
+        path = f"/tmp/rollout-bench/{name}"
+        if not os.path.exists(f"{path}/model.safetensors"):
+            make_tiny_checkpoint(path, arch, **overrides)
+        return path
+    if device == "cuda" and not name.startswith("tiny"):
+        from gpu_common import shape_config
+
+        return shape_config(name)  # weights: load_format="dummy" (random), nothing to write or read
+    return resolve_model(name)
+
+
+def trainer_state(weights: dict, device: str, seed: int) -> dict[str, torch.Tensor]:
+    """Random tensors with the engine's HF names, shapes and dtypes, on `device` (norms near 1)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state = {}
+    for name, meta in weights.items():
+        dtype = getattr(torch, meta["dtype"])
+        t = torch.empty(meta["shape"], dtype=dtype, device=device)
+        t.normal_(1.0 if "norm" in name else 0.0, 0.02, generator=gen)
+        state[name] = t
+    return state
+
+
+def perturb(state: dict[str, torch.Tensor], fraction: float, seed: int) -> None:
+    """Changes `fraction` of every tensor's coordinates in place (1.0: all of them)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for t in state.values():
+        flat = t.view(-1)
+        if fraction >= 1.0:
+            flat.add_(torch.randn(flat.shape, generator=gen).to(t.device, t.dtype) * 1e-3)
+            continue
+        k = max(1, int(flat.numel() * fraction))
+        idx = torch.randint(0, flat.numel(), (k,), generator=gen).to(t.device)
+        flat[idx] += (torch.randn(k, generator=gen) * 1e-2 + 1e-2).to(t.device, t.dtype)
+
+
+def init_info_for(backend: str, args, world_size: int):
+    buffer = args.buffer_mib << 20
+    if backend == "local":
+        from weight_transfer.local import LocalTrainerInitInfo
+
+        return LocalTrainerInitInfo(encoding="tensors", max_bytes_per_call=buffer)
+    if backend in ("nccl", "nccl-unpacked"):
+        from weight_transfer.nccl import NCCLTrainerInitInfo
+
+        return NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=_free_port(), world_size=1 + world_size,
+                                   packed=backend == "nccl", packed_buffer_size_bytes=buffer)
+    if backend == "sparse_nccl":
+        from weight_transfer.sparse_nccl import SparseNCCLTrainerInitInfo
+
+        return SparseNCCLTrainerInitInfo(master_address="127.0.0.1", master_port=_free_port(),
+                                         world_size=1 + world_size, packed_buffer_size_bytes=buffer)
+    if backend == "ipc":
+        from weight_transfer.ipc import IPCTrainerInitInfo
+
+        return IPCTrainerInitInfo(packed_buffer_size_bytes=buffer)
+    if backend == "sharded_rdt":
+        from weight_transfer.sharded_rdt import ShardedRDTTrainerInitInfo
+
+        return ShardedRDTTrainerInitInfo(chunk_bytes=min(buffer, 64 << 20))
+    raise ValueError(f"--backends: unknown backend {backend!r}")
+
+
+class Engine:
+    """The engine under test in its own process, and the client that drives its weight lifecycle."""
+
+    def __init__(self, path: str, args, ray_actor: bool) -> None:
+        from weight_transfer.clients import LocalWeightSyncClient, RayWeightSyncClient
+
+        engine_args = dict(max_model_len=256, device=args.device, disable_log_stats=True)
+        if not os.path.exists(os.path.join(path, "model.safetensors")):
+            engine_args["load_format"] = "dummy"
+        if args.device == "cuda":
+            engine_args.update(gpu_memory_utilization=args.gpu_memory_utilization, dtype="bfloat16")
+        else:
+            engine_args.update(dtype="float32", num_gpu_blocks_override=64)
+        self.ray_actor = ray_actor
+        if ray_actor:
+            import ray
+
+            from rollout.worker import RolloutWorker
+
+            if not ray.is_initialized():
+                ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            self.worker = ray.remote(RolloutWorker).remote(model=path, multiprocess=False, **engine_args)
+            self.client = RayWeightSyncClient([self.worker])
+        else:
+            from rollout.worker import RolloutWorker
+
+            self.worker = RolloutWorker(model=path, multiprocess=True, **engine_args)
+            self.client = LocalWeightSyncClient(self.worker)
+
+    def weight_info(self) -> dict:
+        return self.client.weight_info()
+
+    def generate_one(self) -> None:
+        from engine import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        prompt = [{"prompt_token_ids": [5, 6, 7]}]
+        if self.ray_actor:
+            import ray
+
+            ray.get(self.worker.generate.remote(prompt, params))
+        else:
+            self.worker.generate(prompt, params)
+
+    def close(self) -> None:
+        if self.ray_actor:
+            import ray
+
+            ray.get(self.worker.shutdown.remote())
+            ray.kill(self.worker)
+        else:
+            self.worker.shutdown()
+
+
+def bench_one(backend: str, model: str, args) -> dict:
+    from weight_transfer import StateDictSource, trainer_init
+    from weight_transfer.checksums import hf_state_checksums
+
+    path = model_path(model, args.device)
+    engine = Engine(path, args, ray_actor=backend == "sharded_rdt")
+    try:
+        weights = engine.weight_info()["weights"]
+        with open(os.path.join(path, "config.json")) as f:
+            if json.load(f).get("tie_word_embeddings"):
+                weights.pop("lm_head.weight", None)  # an alias of the embedding: sent once, as the embedding
+        state = trainer_state(weights, args.device, seed=0)
+        source = StateDictSource(state)
+        dense_bytes = sum(t.numel() * t.element_size() for t in state.values())
+        trainer = trainer_init(init_info_for(backend, args, engine.client.get_world_size()),
+                               client=engine.client, source=source)
+        start = time.perf_counter()
+        warm = trainer.send_weights(weight_version="warmup")
+        warm_s = time.perf_counter() - start
+        fraction = args.sparse_fraction if backend == "sparse_nccl" else 1.0
+        times, sent = [], []
+        for i in range(args.syncs):
+            perturb(state, fraction, seed=i + 1)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            stats = trainer.send_weights(weight_version=f"v{i}")
+            times.append(time.perf_counter() - start)
+            sent.append(stats.bytes_sent)
+            assert engine.client.get_weight_version() == f"v{i}", "the engine serves the new version"
+        engine.generate_one()  # and generates with it
+        match = None
+        if not args.skip_checksums and dense_bytes < 4e9:  # sha256 of every tensor on the host: minutes for 7B
+            report = engine.client.weight_checker(hf_state_checksums(state))
+            match = bool(report["match"])
+        trainer.shutdown()
+        median = statistics.median(times)
+        return {
+            "backend": backend, "model": model, "device": args.device, "params": sum(t.numel() for t in state.values()),
+            "dense_bytes": dense_bytes, "warmup_s": warm_s, "warmup_bytes_sent": warm.bytes_sent,
+            "sync_s": times, "median_s": median, "gb_per_s": dense_bytes / median / 1e9,
+            "bytes_sent_median": statistics.median(sent), "checksums_match": match,
+        }
+    finally:
+        engine.close()
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    args = parse_args()
+    backends = args.backends or (CPU_BACKENDS if args.device == "cpu" else ["ipc"])
+    models = args.models or (["tiny-llama", "100m"] if args.device == "cpu" else ["qwen3-0.6b", "qwen2.5-1.5b", "qwen2.5-7b"])
+    print(f"Weight sync ({args.device}; {args.syncs} timed syncs after a warm-up; median; send_weights() start "
+          "to the engine serving the new version)")
+    print(f"{'backend':<14}{'model':<14}{'params':>14}{'MB':>10}{'warm-up s':>11}{'sync s':>10}{'GB/s':>8}"
+          f"{'sent %':>8}{'checksums':>11}", flush=True)
+    rows = []
+    for model in models:
+        for backend in backends:
+            r = bench_one(backend, model, args)
+            rows.append(r)
+            print(f"{r['backend']:<14}{r['model']:<14}{r['params']:>14,}{r['dense_bytes'] / 1e6:>10.1f}"
+                  f"{r['warmup_s']:>11.3f}{r['median_s']:>10.4f}{r['gb_per_s']:>8.2f}"
+                  f"{100 * r['bytes_sent_median'] / r['dense_bytes']:>8.1f}{str(r['checksums_match']):>11}", flush=True)
+            # Written after every row, so a run cut short keeps what it measured.
+            write_json(args.json_out, {
+                "benchmark": "weight_sync", "device": args.device, "machine": platform.node(),
+                "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+                "results": rows,
+            })
+
+
+if __name__ == "__main__":
+    main()
