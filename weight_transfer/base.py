@@ -111,11 +111,7 @@ _ENGINE_BACKENDS: dict[str, str | type[WeightTransferEngine]] = {
 
 def register_engine_backend(name: str, target: str | type[WeightTransferEngine]) -> None:
     """Registers (or replaces) backend `name` as a class or a lazy "module:Class" path."""
-    if not isinstance(name, str) or not name:
-        raise ValueError("backend name must be a non-empty string")
-    if isinstance(target, str) and ":" not in target:
-        raise ValueError(f"backend {name!r}: target {target!r} must look like 'package.module:ClassName'")
-    _ENGINE_BACKENDS[name] = target
+    _register(_ENGINE_BACKENDS, name, target)
 
 
 def known_engine_backends() -> list[str]:
@@ -124,15 +120,28 @@ def known_engine_backends() -> list[str]:
 
 def get_engine_backend(name: str) -> type[WeightTransferEngine]:
     """The WeightTransferEngine class registered as `name`; ValueError listing the known ones if none is."""
-    target = _ENGINE_BACKENDS.get(name) if isinstance(name, str) else None
+    return _resolve(_ENGINE_BACKENDS, name, WeightTransferEngine, "weight transfer backend")
+
+
+def _register(registry: dict, name: str, target) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValueError("backend name must be a non-empty string")
+    if isinstance(target, str) and ":" not in target:
+        raise ValueError(f"backend {name!r}: target {target!r} must look like 'package.module:ClassName'")
+    registry[name] = target
+
+
+def _resolve(registry: dict, name: str, base: type, kind: str) -> type:
+    """registry[name] as a class, importing a lazy "module:Class" entry on first use."""
+    target = registry.get(name) if isinstance(name, str) else None
     if target is None:
-        raise ValueError(f"backend: unknown weight transfer backend {name!r}; known: {known_engine_backends()}")
+        raise ValueError(f"backend: unknown {kind} {name!r}; known: {sorted(registry)}")
     if isinstance(target, str):
         module_name, _, class_name = target.partition(":")
         cls = getattr(importlib.import_module(module_name), class_name)
-        if not (isinstance(cls, type) and issubclass(cls, WeightTransferEngine)):
-            raise TypeError(f"backend {name!r}: {target} is not a WeightTransferEngine subclass")
-        _ENGINE_BACKENDS[name] = target = cls
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise TypeError(f"backend {name!r}: {target} is not a {base.__name__} subclass")
+        registry[name] = target = cls
     return target
 
 
@@ -361,6 +370,13 @@ class TrainerWeightTransferEngine(ABC):
     def shutdown(self) -> None:
         """Tears the transport down on this rank (rank 0 also tells the engine)."""
 
+    def _follow(self, source: WeightSource, weight_version: str | None) -> SyncStats:
+        """A non-sender rank's part of a sync: the same pass over the source, since a sharded
+        source gathers collectively and every rank must take part; nothing is sent."""
+        for _ in source.iter_full():
+            pass
+        return SyncStats(self.backend, weight_version=weight_version)
+
     def _source(self, source) -> WeightSource:
         if source is not None:
             return as_source(source)
@@ -380,24 +396,11 @@ _TRAINER_BACKENDS: dict[str, str | type[TrainerWeightTransferEngine]] = {
 
 def register_trainer_backend(name: str, target: str | type[TrainerWeightTransferEngine]) -> None:
     """Registers (or replaces) trainer backend `name` as a class or a lazy "module:Class" path."""
-    if not isinstance(name, str) or not name:
-        raise ValueError("backend name must be a non-empty string")
-    if isinstance(target, str) and ":" not in target:
-        raise ValueError(f"backend {name!r}: target {target!r} must look like 'package.module:ClassName'")
-    _TRAINER_BACKENDS[name] = target
+    _register(_TRAINER_BACKENDS, name, target)
 
 
 def get_trainer_backend(name: str) -> type[TrainerWeightTransferEngine]:
-    target = _TRAINER_BACKENDS.get(name) if isinstance(name, str) else None
-    if target is None:
-        raise ValueError(f"backend: unknown trainer weight transfer backend {name!r}; known: {sorted(_TRAINER_BACKENDS)}")
-    if isinstance(target, str):
-        module_name, _, class_name = target.partition(":")
-        cls = getattr(importlib.import_module(module_name), class_name)
-        if not (isinstance(cls, type) and issubclass(cls, TrainerWeightTransferEngine)):
-            raise TypeError(f"backend {name!r}: {target} is not a TrainerWeightTransferEngine subclass")
-        _TRAINER_BACKENDS[name] = target = cls
-    return target
+    return _resolve(_TRAINER_BACKENDS, name, TrainerWeightTransferEngine, "trainer weight transfer backend")
 
 
 def backend_of(init_info: Any) -> str:

@@ -823,10 +823,13 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             where = "finish_weight_update"
             self._call("finish_weight_update", self.client.finish_weight_update, weight_version)
         except BaseException as e:
+            # A call posted after the engine already aborted fails with "no update in progress";
+            # the failure worth reporting is the earlier call's, if one already came back failed.
+            e = _earliest_engine_failure(pending) or e
             self._abandon(pending, items, metas, e)
             if isinstance(e, Exception) and not isinstance(e, TimeoutError):
                 raise RuntimeError(f"ipc: send_weights failed at {where}: {type(e).__name__}: {e}") from e
-            raise
+            raise e
 
     def _claim_slot(self, oversize: bool, pending: dict[int, _InFlight]) -> int:
         """The slot for the next pack, once no call reads it and fewer than packed_num_buffers are in flight."""
@@ -972,6 +975,16 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         if self._control is None:
             raise RuntimeError("ipc: not connected (trainer_init failed, or shut down)")
         return self._control
+
+
+def _earliest_engine_failure(pending: dict[int, "_InFlight"]) -> BaseException | None:
+    """The error of the oldest in-flight call that already failed in the engine's transfer, if any."""
+    for call in pending.values():  # insertion order: oldest first
+        if call.future.done() and call.future.exception() is not None:
+            error = call.future.exception()
+            if "weight transfer failed" in str(error):
+                return error
+    return None
 
 
 def _gathers(metas: list[ParamMeta]) -> bool:

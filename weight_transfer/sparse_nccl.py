@@ -178,9 +178,7 @@ class SparseNCCLTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
     def send_weights(self, source=None, *, weight_version: str | None = None) -> SyncStats:
         src = self._source(source)
         if self.rank != 0:
-            for _ in src.iter_full():  # sharded sources gather collectively: every rank runs the pass
-                pass
-            return SyncStats(self.backend, weight_version=weight_version)
+            return self._follow(src, weight_version)
         start = time.perf_counter()
         metas = src.metadata
         try:
