@@ -1,0 +1,1 @@
+"""PPO and GRPO-family trainers that drive rollout workers and sync weights into them."""
