@@ -1,0 +1,210 @@
+"""The trained policy: an HF checkpoint under FSDP2 with AdamW, per-token logprobs/entropy of responses, and HF-format saving.
+
+    rank, world_size = init_distributed("cpu")        # torchrun's env, or a single-process gloo group
+    policy = Policy(ModelConfig(path=DIR), OptimConfig(lr=1e-5))
+    logprobs, entropy = policy.response_logprobs(input_ids, prompt_lens, response_ids, temperature=1.0)
+    loss.backward(); policy.optimizer_step()
+    policy.save("runs/x/final")                        # every rank calls it; rank 0 writes
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from trainers.config import ModelConfig, OptimConfig
+from weight_transfer import ModuleSource
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: str = "cpu") -> tuple[int, int]:
+    """(rank, world_size) of the default process group, creating it if needed: from torchrun's
+    environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) when set, else a single-process group
+    on a free loopback port. gloo on CPU, NCCL on CUDA."""
+    if device == "cuda":  # before NCCL starts: each rank owns one GPU
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        backend = "nccl" if device == "cuda" else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def load_sharded_model(config: ModelConfig, *, trainable: bool = True) -> nn.Module:
+    """The checkpoint's HF model in float32, each decoder layer and then the root fully_shard'ed over all ranks.
+
+    Dropout is off (eval mode) for good: the engine has none, and trainer and engine logprobs
+    must agree on the same weights.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised; call trainers.policy.init_distributed() first")
+    device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" else torch.device("cpu")
+    model = AutoModelForCausalLM.from_pretrained(config.path, dtype=torch.float32, attn_implementation="sdpa")
+    model.to(device)
+    model.eval()
+    model.requires_grad_(trainable)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if config.param_dtype == "bfloat16" else None,
+        reduce_dtype=torch.float32,
+    )
+    # Per-layer units: only one layer's full parameters are alive at a time in forward/backward.
+    for layer in getattr(getattr(model, "model", None), "layers", []):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def gather_response_rows(
+    logits: torch.Tensor, prompt_lens: torch.Tensor, num_response_positions: int
+) -> torch.Tensor:
+    """The logits that predict each response token: row prompt_lens[b] - 1 + j for response position j.
+
+    Sequences are prompt + response + right padding, so the response starts at a different
+    column per row:
+        input_ids   p0 p1 p2 r0 r1 r2 pad
+        logits      .  .  ^  ^  ^         (the logits at column t predict token t + 1)
+    Positions past a row's end are clamped to its last column; they are masked out downstream.
+    """
+    batch, length, vocab = logits.shape
+    offsets = torch.arange(num_response_positions, device=logits.device)  # [R]
+    rows = (prompt_lens.to(logits.device).unsqueeze(1) - 1 + offsets).clamp(max=length - 1)  # [B, R]
+    return logits.gather(1, rows.unsqueeze(-1).expand(batch, num_response_positions, vocab))  # [B, R, V]
+
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logprobs [B, R] of token_ids under softmax(logits / temperature) [B, R, V], and that distribution's entropy [B, R].
+
+    entropy_grad=False computes the entropy off the autograd graph (a metric only: no [B, R, V] kept for backward).
+    """
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = F.log_softmax(logits, dim=-1)  # [B, R, V]
+    chosen = logp.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [B, R]
+    entropy = None
+    if with_entropy:
+        source = logp if entropy_grad else logp.detach()
+        entropy = -(source.exp() * source).sum(-1)  # [B, R]
+    return chosen, entropy
+
+
+class Policy:
+    """The FSDP2-sharded policy (and, with `reference=True`, a frozen copy of the initial weights for KL)."""
+
+    def __init__(self, model_config: ModelConfig, optim_config: OptimConfig, *, reference: bool = False) -> None:
+        self.config = model_config
+        self.optim_config = optim_config
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.model = load_sharded_model(model_config)
+        self.reference = load_sharded_model(model_config, trainable=False) if reference else None
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=optim_config.lr,
+            betas=(optim_config.beta1, optim_config.beta2),
+            eps=optim_config.eps,
+            weight_decay=optim_config.weight_decay,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.config.device == "cuda" else torch.device("cpu")
+
+    def weight_source(self) -> ModuleSource:
+        """The trained parameters under their HF names, gathered one tensor at a time when sent."""
+        return ModuleSource(self.model)
+
+    def response_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        prompt_lens: torch.Tensor,
+        response_ids: torch.Tensor,
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        entropy_grad: bool = True,
+        use_reference: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token logprobs [B, R] of response_ids (and entropy [B, R]) in one forward of the policy.
+
+        input_ids [B, L] is prompt + response, right-padded; prompt_lens [B]; response_ids [B, R].
+        Right padding needs no attention mask: causal attention never lets a real token see
+        the padding after it. Gradients flow unless called under torch.no_grad() or use_reference.
+        """
+        model = self.reference if use_reference else self.model
+        if model is None:
+            raise ValueError("use_reference: this Policy was built without reference=True")
+        if input_ids.dim() != 2 or response_ids.dim() != 2 or prompt_lens.shape != (input_ids.shape[0],):
+            raise ValueError(
+                f"input_ids [B, L], prompt_lens [B], response_ids [B, R] expected, got {list(input_ids.shape)}, "
+                f"{list(prompt_lens.shape)}, {list(response_ids.shape)}"
+            )
+        device = self.device
+        with torch.no_grad() if use_reference else nullcontext():
+            logits = model(input_ids=input_ids.to(device), use_cache=False).logits  # [B, L, V]
+            rows = gather_response_rows(logits, prompt_lens.to(device), response_ids.shape[1])  # [B, R, V]
+            return token_logprobs_and_entropy(rows, response_ids.to(device), temperature, with_entropy, entropy_grad)
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clips the gradient norm, steps AdamW and clears gradients; a non-finite norm skips the step."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = self.optim_config.max_grad_norm if self.optim_config.max_grad_norm > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if _is_dtensor(norm):
+            norm = norm.full_tensor()
+        grad_norm = float(norm)
+        # Every rank sees the same (reduced) norm, so every rank takes the same branch.
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm, "step_skipped": float(skipped), "lr": self.optimizer.param_groups[0]["lr"]}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer gathered in full on CPU, on rank 0 (empty elsewhere); every rank must call it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def save(self, path: str) -> str | None:
+        """Writes an HF checkpoint (config, safetensors, tokenizer) that `rollout launch` loads; every rank calls, rank 0 writes."""
+        from transformers import AutoTokenizer
+
+        state = self.full_state_dict()
+        if self.rank == 0:
+            os.makedirs(path, exist_ok=True)
+            self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
+            AutoTokenizer.from_pretrained(self.config.path).save_pretrained(path)
+        if dist.is_initialized():
+            dist.barrier()  # nobody reads a half-written checkpoint
+        return path if self.rank == 0 else None

@@ -1,0 +1,164 @@
+"""Rollouts for training: n samples per prompt from a RolloutWorker, padded into tensors with the engine's logprobs and weight versions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class RolloutBatch:
+    """B = num_prompts * n samples, those of one prompt adjacent; R = longest response, L = longest prompt + response.
+
+    Per-token response tensors are [B, R], aligned with response_ids (position j is the j-th
+    generated token); input_ids holds prompt + response right-padded with pad_token_id.
+    """
+
+    input_ids: torch.Tensor
+    """[B, L] int64: prompt then response token ids, right-padded."""
+    prompt_lens: torch.Tensor
+    """[B] int64: prompt tokens of each sample (its response starts at that column of input_ids)."""
+    response_ids: torch.Tensor
+    """[B, R] int64: the generated token ids, right-padded."""
+    response_mask: torch.Tensor
+    """[B, R] float32: 1 on generated tokens, 0 on padding."""
+    rollout_logprobs: torch.Tensor
+    """[B, R] float32: the engine's logprob of each generated token (0 on padding)."""
+    prompt_ids: list[int]
+    """[B]: index into the step's prompts of each sample's prompt."""
+    completions: list[str]
+    """[B]: the detokenized responses."""
+    finish_reasons: list[str | None]
+    """[B]: why each response ended ("stop", "length", ...)."""
+    weight_versions: list[list[tuple[str, int, int]]]
+    """[B]: (weight_version, start, end) spans over each response's tokens: which weights produced which tokens."""
+    group_size: int = 1
+    """Samples per prompt."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_samples(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_lens(self) -> torch.Tensor:
+        return self.response_mask.sum(-1).to(torch.int64)  # [B]
+
+    def sample_versions(self) -> list[set[str]]:
+        """The distinct weight versions that produced each sample's tokens."""
+        return [{version for version, _, _ in spans} for spans in self.weight_versions]
+
+    def select(self, indices: Sequence[int] | torch.Tensor) -> RolloutBatch:
+        """The samples at `indices` (in that order), with L and R trimmed to what they still need."""
+        idx = torch.as_tensor(list(indices) if not isinstance(indices, torch.Tensor) else indices, dtype=torch.int64)
+        keep = idx.tolist()
+        response_mask = self.response_mask[idx]
+        num_resp = int(response_mask.sum(-1).max().item()) if keep else 0
+        lengths = self.prompt_lens[idx] + response_mask.sum(-1).to(torch.int64)
+        num_cols = int(lengths.max().item()) if keep else 0
+        return RolloutBatch(
+            input_ids=self.input_ids[idx, :num_cols],
+            prompt_lens=self.prompt_lens[idx],
+            response_ids=self.response_ids[idx, :num_resp],
+            response_mask=response_mask[:, :num_resp],
+            rollout_logprobs=self.rollout_logprobs[idx, :num_resp],
+            prompt_ids=[self.prompt_ids[i] for i in keep],
+            completions=[self.completions[i] for i in keep],
+            finish_reasons=[self.finish_reasons[i] for i in keep],
+            weight_versions=[self.weight_versions[i] for i in keep],
+            group_size=self.group_size,
+            extra=dict(self.extra),
+        )
+
+
+def collate(outputs: Sequence, pad_token_id: int, group_size: int) -> RolloutBatch:
+    """Pads finished RequestOutputs (each with `group_size` completions that carry sampled-token logprobs) into a RolloutBatch."""
+    prompts: list[list[int]] = []
+    responses: list[list[int]] = []
+    logprobs: list[list[float]] = []
+    prompt_ids, completions, finish_reasons, versions = [], [], [], []
+    for prompt_index, out in enumerate(outputs):
+        if len(out.outputs) != group_size:
+            raise ValueError(f"outputs[{prompt_index}]: {len(out.outputs)} completions, expected n={group_size}")
+        for completion in sorted(out.outputs, key=lambda c: c.index):
+            if completion.logprobs is None or len(completion.logprobs) != len(completion.token_ids):
+                raise ValueError(
+                    f"outputs[{prompt_index}].outputs[{completion.index}].logprobs: the engine returned no logprob "
+                    "per sampled token; generate with SamplingParams(logprobs=0)"
+                )
+            prompts.append(list(out.prompt_token_ids))
+            responses.append(list(completion.token_ids))
+            # Each position's dict holds the sampled token (plus any top-k); pick the sampled one.
+            logprobs.append([pos[tok].logprob for pos, tok in zip(completion.logprobs, completion.token_ids)])
+            prompt_ids.append(prompt_index)
+            completions.append(completion.text)
+            finish_reasons.append(completion.finish_reason)
+            versions.append(list(completion.weight_versions))
+
+    num_samples = len(responses)
+    num_resp = max((len(r) for r in responses), default=0)
+    num_cols = max((len(p) + len(r) for p, r in zip(prompts, responses)), default=0)
+    input_ids = torch.full((num_samples, num_cols), pad_token_id, dtype=torch.int64)  # [B, L]
+    response_ids = torch.full((num_samples, num_resp), pad_token_id, dtype=torch.int64)  # [B, R]
+    response_mask = torch.zeros(num_samples, num_resp, dtype=torch.float32)  # [B, R]
+    rollout_logprobs = torch.zeros(num_samples, num_resp, dtype=torch.float32)  # [B, R]
+    for b, (p, r, lp) in enumerate(zip(prompts, responses, logprobs)):
+        input_ids[b, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.int64)
+        if r:
+            response_ids[b, : len(r)] = torch.tensor(r, dtype=torch.int64)
+            response_mask[b, : len(r)] = 1.0
+            rollout_logprobs[b, : len(r)] = torch.tensor(lp, dtype=torch.float32)
+    return RolloutBatch(
+        input_ids=input_ids,
+        prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.int64),
+        response_ids=response_ids,
+        response_mask=response_mask,
+        rollout_logprobs=rollout_logprobs,
+        prompt_ids=prompt_ids,
+        completions=completions,
+        finish_reasons=finish_reasons,
+        weight_versions=versions,
+        group_size=group_size,
+    )
+
+
+def generate_rollouts(
+    worker,
+    prompts: Sequence,
+    *,
+    n: int,
+    temperature: float = 1.0,
+    max_tokens: int = 32,
+    seed: int | None = None,
+    pad_token_id: int | None = None,
+) -> RolloutBatch:
+    """n samples of each prompt (text or {"prompt_token_ids": [...]}) from `worker` (RolloutWorker or engine.LLM).
+
+    With `seed`, prompt i samples with seed + i * n (the engine adds the sample index), so a
+    repeated call repeats its samples and no two samples share a seed.
+    """
+    if not prompts:
+        raise ValueError("prompts: empty; a rollout needs at least one prompt")
+    if n < 1:
+        raise ValueError(f"n: must be >= 1, got {n}")
+    params = [
+        SamplingParams(
+            n=n,
+            temperature=temperature,
+            max_tokens=max_tokens,
+            logprobs=0,  # the sampled token's logprob only
+            seed=None if seed is None else seed + i * n,
+        )
+        for i in range(len(prompts))
+    ]
+    outputs = worker.generate(list(prompts), params, use_tqdm=False)
+    if pad_token_id is None:
+        tokenizer = worker.tokenizer if hasattr(worker, "tokenizer") else worker.get_tokenizer()
+        pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pad_token_id = pad_token_id if pad_token_id is not None else 0
+    return collate(outputs, pad_token_id, n)
