@@ -11,6 +11,7 @@ AdvantageScale = Literal["group", "batch", "none"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
 MismatchMode = Literal["tis", "mask", "none"]
+StalePolicy = Literal["drop", "downweight"]
 ParamDtype = Literal["float32", "bfloat16"]
 Device = Literal["cpu", "cuda"]
 
@@ -64,6 +65,16 @@ class RolloutConfig:
     """Run the engine in its own process (ZMQ) instead of in the trainer's process."""
     seed: int = 0
     """Base of the per-prompt sampling seeds (step and prompt index are added), so runs repeat."""
+    async_mode: bool = False
+    """Keep generating the next steps' groups while the trainer trains; a keep-mode pause brackets each weight sync."""
+    max_staleness: int = 1
+    """Async mode: samples whose oldest token is more than this many weight versions behind the trained policy are dropped or down-weighted."""
+    stale_policy: StalePolicy = "drop"
+    """Async mode: what happens to a sample older than max_staleness: drop it, or scale its advantage down by stale_weight per extra version."""
+    stale_weight: float = 0.5
+    """Async mode, stale_policy=downweight: advantage factor per version beyond max_staleness (stale_weight ** excess)."""
+    async_lookahead: int | None = None
+    """Async mode: steps' worth of groups the producer may submit beyond the served weights; none: max_staleness + 1 (the most that stays within the bound when groups finish in order)."""
 
     def __post_init__(self) -> None:
         _check_range("rollout.num_prompts_per_step", self.num_prompts_per_step, 1)
@@ -75,6 +86,16 @@ class RolloutConfig:
             raise ValueError(
                 f"rollout.max_tokens: {self.max_tokens} leaves no room for a prompt in max_model_len={self.max_model_len}"
             )
+        _check_range("rollout.max_staleness", self.max_staleness, 0)
+        _check_choice("rollout.stale_policy", self.stale_policy, StalePolicy)
+        _check_range("rollout.stale_weight", self.stale_weight, 0.0, 1.0, low_open=True)
+        if self.async_lookahead is not None:
+            _check_range("rollout.async_lookahead", self.async_lookahead, 1)
+
+    @property
+    def lookahead_steps(self) -> int:
+        """Steps of groups the async producer may run ahead of the weights it was last told about."""
+        return self.max_staleness + 1 if self.async_lookahead is None else self.async_lookahead
 
     @property
     def num_samples_per_step(self) -> int:

@@ -1,4 +1,4 @@
-"""Synchronous GRPO (and Dr.GRPO / DAPO) on FSDP2: generate -> reward -> advantages -> update -> weight sync, one step at a time.
+"""GRPO (and Dr.GRPO / DAPO) on FSDP2: generate -> reward -> advantages -> update -> weight sync, synchronous or async with bounded staleness.
 
     python -m trainers.grpo --model.path examples/grpo_tiny/model --num-steps 20
     torchrun --nproc-per-node 2 -m trainers.grpo --config run.toml --optim.lr 1e-5
@@ -7,6 +7,12 @@ Rank 0 owns the rollout worker: it generates, scores and broadcasts each step's 
 rank trains on its share (FSDP2 averages the gradients) and takes part in the weight sync, which
 gathers the sharded parameters one tensor at a time and lands them in the worker under
 weight_version "step-N". Logging goes through one `log(metrics, step)` callable.
+
+With rollout.async_mode, a producer thread keeps generating the next steps' groups while the
+trainer trains (trainers.async_rollouts); a keep-mode pause brackets each weight sync, so
+requests in flight freeze and recompute with the new weights on resume. Every sample's
+staleness (how many versions its oldest token is behind the policy being trained) is measured
+from its weight_versions spans; samples past rollout.max_staleness are dropped or down-weighted.
 """
 
 from __future__ import annotations
@@ -23,11 +29,12 @@ import torch
 import torch.distributed as dist
 
 from trainers.advantages import dapo_keep_groups, dr_grpo_advantages, grpo_advantages
+from trainers.async_rollouts import AsyncRolloutProducer, pad_token_id_of, sample_staleness, stale_sample_weights
 from trainers.cli import parse_config, to_dict
 from trainers.config import AlgorithmConfig, TrainerConfig
 from trainers.losses import DAPOLoss, DrGRPOLoss, GRPOLoss, PolicyBatch, PolicyLoss
 from trainers.policy import Policy, init_distributed
-from trainers.rollouts import RolloutBatch, generate_rollouts
+from trainers.rollouts import RolloutBatch, collate, generate_rollouts
 from weight_transfer import trainer_init
 from weight_transfer.clients import LocalWeightSyncClient
 from weight_transfer.local import LocalTrainerInitInfo
@@ -35,6 +42,8 @@ from weight_transfer.local import LocalTrainerInitInfo
 # batched reward: (completions, per-sample items) -> one float per completion
 RewardFn = Callable[[list[str], list[Any]], Sequence[float]]
 LogFn = Callable[[dict[str, float], int], None]
+# (name, values, step): records a distribution, e.g. MetricsLogger.log_histogram
+HistogramFn = Callable[[str, Sequence[float], int], None]
 
 _LOSSES: dict[str, type[PolicyLoss]] = {"grpo": GRPOLoss, "dr_grpo": DrGRPOLoss, "dapo": DAPOLoss}
 
@@ -80,17 +89,19 @@ def _prompt_of(item: Any) -> Any:
 
 
 class GRPOTrainer:
-    """One synchronous GRPO-family run: the sharded policy, the loss, the rollout worker (rank 0) and the weight sync.
+    """One GRPO-family run (sync, or async with rollout.async_mode): the sharded policy, the loss, the rollout worker (rank 0) and the weight sync.
 
     `worker` is a RolloutWorker (rank 0 only; other ranks pass None); when None on rank 0, one
     is started on the checkpoint and shut down by close(). `reward_fn(completions, items)` scores
     each sample against the item it was generated from.
     """
 
-    def __init__(self, config: TrainerConfig, reward_fn: RewardFn, *, worker=None, log: LogFn | None = None) -> None:
+    def __init__(self, config: TrainerConfig, reward_fn: RewardFn, *, worker=None, log: LogFn | None = None,
+                 log_histogram: HistogramFn | None = None) -> None:
         self.config = config
         self.reward_fn = reward_fn
         self.log = log or console_log
+        self.log_histogram = log_histogram
         self.rank, self.world_size = init_distributed(config.model.device)
         torch.manual_seed(config.seed)
         self.policy = Policy(config.model, config.optim, reference=config.algorithm.kl_coef > 0)
@@ -106,6 +117,11 @@ class GRPOTrainer:
         self.sync = trainer_init(LocalTrainerInitInfo(encoding="tensors"), client=client, source=self.policy.weight_source())
         self.weight_version = self.worker.get_weight_version() if self.worker is not None else None
         self.step_count = 0
+        # Version name -> integer version (0: the weights served before training, k: after step k);
+        # staleness is measured in these. Rank 0 only (the other ranks get staleness broadcast).
+        self._version_index: dict[str, int] = {} if self.weight_version is None else {self.weight_version: 0}
+        self.producer: AsyncRolloutProducer | None = None
+        self._last_take: float | None = None
 
     def _start_worker(self):
         from rollout import RolloutWorker
@@ -132,7 +148,7 @@ class GRPOTrainer:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def _generate(self, items: Sequence[Any]) -> tuple[RolloutBatch, torch.Tensor, dict[str, float]]:
+    def _generate(self, items: Sequence[Any]) -> tuple[RolloutBatch, torch.Tensor, dict[str, Any]]:
         """Rank 0: samples, rewards and rollout metrics for `items`; every rank gets the same (broadcast)."""
         cfg = self.config.rollout
         payload: list[Any] = [None]
@@ -147,22 +163,57 @@ class GRPOTrainer:
                 seed=cfg.seed + self.step_count * 1_000_003,  # fresh samples every step, repeatable runs
             )
             generated = time.perf_counter()
-            rewards = self.reward_fn(batch.completions, [items[i] for i in batch.prompt_ids])
-            rewards = torch.as_tensor(list(rewards), dtype=torch.float32)
-            if rewards.shape != (batch.num_samples,):
-                raise ValueError(f"reward_fn: returned {rewards.numel()} rewards for {batch.num_samples} completions")
-            # Sync mode: every sample must come from the weights of the previous sync (rank 0 knows the version).
-            versions = batch.sample_versions()
+            rewards = self._score(batch, items)
             metrics = {
                 "time_generate": generated - start,
                 "time_reward": time.perf_counter() - generated,
                 "tokens_per_s": float(batch.response_mask.sum()) / max(generated - start, 1e-9),
-                "stale_fraction": sum(v != {self.weight_version} for v in versions) / len(versions),
+                # Sync mode: every sample should come from the weights of the previous sync (all zeros).
+                "staleness/values": self._staleness(batch),
             }
             payload = [(batch, rewards, metrics)]
         if self.world_size > 1:
             dist.broadcast_object_list(payload, src=0)
         return payload[0]
+
+    def _generate_async(self) -> tuple[RolloutBatch, torch.Tensor, dict[str, Any]]:
+        """Rank 0: the next step's finished groups from the producer, scored; every rank gets the same (broadcast)."""
+        cfg = self.config.rollout
+        payload: list[Any] = [None]
+        if self.rank == 0:
+            start = time.perf_counter()
+            groups = self.producer.take(cfg.num_prompts_per_step)
+            taken = time.perf_counter()
+            groups.sort(key=lambda g: g.index)  # finish order varies; submission order keeps runs comparable
+            batch = collate([g.output for g in groups], self._pad_token_id, cfg.num_samples_per_prompt)
+            items = [g.item for g in groups]
+            rewards = self._score(batch, items)
+            # Throughput of the pipeline: tokens handed over per second between two takes.
+            since = taken - (self._last_take if self._last_take is not None else start)
+            self._last_take = taken
+            metrics = {
+                # only the wait for groups not finished yet: the rest of generation overlapped training
+                "time_generate": taken - start,
+                "time_reward": time.perf_counter() - taken,
+                "tokens_per_s": float(batch.response_mask.sum()) / max(since, 1e-9),
+                "mixed_version_fraction": sum(len(v) > 1 for v in batch.sample_versions()) / batch.num_samples,
+                "staleness/values": self._staleness(batch),
+            }
+            payload = [(batch, rewards, metrics)]
+        if self.world_size > 1:
+            dist.broadcast_object_list(payload, src=0)
+        return payload[0]
+
+    def _score(self, batch: RolloutBatch, items: Sequence[Any]) -> torch.Tensor:
+        rewards = self.reward_fn(batch.completions, [items[i] for i in batch.prompt_ids])
+        rewards = torch.as_tensor(list(rewards), dtype=torch.float32)
+        if rewards.shape != (batch.num_samples,):
+            raise ValueError(f"reward_fn: returned {rewards.numel()} rewards for {batch.num_samples} completions")
+        return rewards
+
+    def _staleness(self, batch: RolloutBatch) -> list[int]:
+        # The policy being trained at step k holds the weights of version k - 1.
+        return sample_staleness(batch.weight_versions, self._version_index, self.step_count - 1)
 
     def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         algo, group = self.config.algorithm, self.config.rollout.num_samples_per_prompt
@@ -229,24 +280,48 @@ class GRPOTrainer:
         dist.all_reduce(values)
         return dict(zip(names, (values / self.world_size).tolist()))
 
-    def step(self, items: Sequence[Any]) -> dict[str, float]:
-        """One training step on `items` (prompts, or objects with .prompt that reward_fn understands); every rank calls it."""
+    def step(self, items: Sequence[Any]) -> dict[str, Any]:
+        """One synchronous step on `items` (prompts, or objects with .prompt that reward_fn understands); every rank calls it."""
+        if self.config.rollout.async_mode:
+            raise ValueError(
+                "rollout.async_mode: step(items) generates for given items; async training runs through train(problems)"
+            )
         if not items:
             raise ValueError("items: empty; a step needs at least one prompt")
         self.step_count += 1
-        step = self.step_count
         batch, rewards, metrics = self._generate(items)
+        return self._update(batch, rewards, metrics)
+
+    def _update(self, batch: RolloutBatch, rewards: torch.Tensor, metrics: dict[str, Any]) -> dict[str, Any]:
+        """The rest of step self.step_count: advantages, the staleness rule, the update, the weight sync, logging."""
+        step = self.step_count
         metrics = dict(metrics)
-        group = self.config.rollout.num_samples_per_prompt
+        rollout = self.config.rollout
+        group = rollout.num_samples_per_prompt
         metrics["reward_mean"] = float(rewards.mean())
         metrics["reward_std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0
         metrics["response_len_mean"] = float(batch.response_mask.sum(-1).mean())
 
+        # Advantages use whole groups (a stale sample's reward is still a fair baseline); the
+        # staleness rule then drops samples or scales their advantage (and so their loss).
         advantages = self._advantages(rewards)
-        keep = torch.arange(batch.num_samples)
+        keep_mask = torch.ones(batch.num_samples, dtype=torch.bool)  # [B]
         if self.config.algorithm.drops_uniform_groups:
-            kept_groups = dapo_keep_groups(rewards, group)  # [num_prompts]
-            keep = keep[kept_groups.repeat_interleave(group)]
+            keep_mask &= dapo_keep_groups(rewards, group).repeat_interleave(group)
+        staleness = torch.tensor(metrics.pop("staleness/values"), dtype=torch.int64)  # [B]
+        fresh, weights = stale_sample_weights(
+            staleness, rollout.max_staleness, rollout.stale_policy, rollout.stale_weight
+        )
+        metrics["stale_fraction"] = float((staleness > 0).float().mean())
+        metrics["num_stale_dropped"] = float((~fresh).sum())
+        keep_mask &= fresh
+        advantages = advantages * weights
+        keep = keep_mask.nonzero().squeeze(1)
+        trained = staleness[keep]
+        metrics["staleness/values"] = trained.tolist()
+        metrics["staleness/mean"] = float(trained.float().mean()) if keep.numel() else float("nan")
+        metrics["staleness/max"] = float(trained.max()) if keep.numel() else float("nan")
+        metrics["staleness/weight_mean"] = float(weights[keep].mean()) if keep.numel() else float("nan")
         metrics["num_samples_trained"] = float(keep.numel())
 
         start = time.perf_counter()
@@ -257,12 +332,26 @@ class GRPOTrainer:
 
         start = time.perf_counter()
         version = f"step-{step}"
-        self.sync.send_weights(weight_version=version)
+        # Async: freeze the requests in flight (they keep their KV) so no token is computed with
+        # half-updated weights; on resume they recompute with the new ones.
+        paused = self.rank == 0 and rollout.async_mode
+        if paused:
+            self.worker.pause("keep")
+        try:
+            self.sync.send_weights(weight_version=version)
+        finally:
+            if paused:
+                self.worker.resume()
         self.weight_version = version
+        self._version_index[version] = step
+        if self.producer is not None:
+            self.producer.advance_version(step)
         metrics["time_sync"] = time.perf_counter() - start
         metrics["weight_version"] = float(step)
         if self.rank == 0 and step % self.config.logging.log_every == 0:
-            self.log(metrics, step)
+            self.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step)
+            if self.log_histogram is not None and metrics["staleness/values"]:
+                self.log_histogram("staleness", metrics["staleness/values"], step)
         return metrics
 
     def items_for_step(self, problems: Sequence[Any], step: int) -> list[Any]:
@@ -270,20 +359,62 @@ class GRPOTrainer:
         num = self.config.rollout.num_prompts_per_step
         return [problems[((step - 1) * num + i) % len(problems)] for i in range(num)]
 
-    def train(self, problems: Sequence[Any], num_steps: int | None = None) -> list[dict[str, float]]:
+    def train(self, problems: Sequence[Any], num_steps: int | None = None) -> list[dict[str, Any]]:
         """Runs num_steps (default config.num_steps) steps over `problems`, saving on logging.save_every."""
         if not problems:
             raise ValueError("problems: empty; training needs at least one prompt")
+        num_steps = self.config.num_steps if num_steps is None else num_steps
+        if self.config.rollout.async_mode:
+            return self._train_async(problems, num_steps)
         history = []
-        for _ in range(self.config.num_steps if num_steps is None else num_steps):
+        for _ in range(num_steps):
             history.append(self.step(self.items_for_step(problems, self.step_count + 1)))
-            every = self.config.logging.save_every
-            if every and self.step_count % every == 0:
-                self.policy.save(os.path.join(self.config.logging.output_dir, f"step-{self.step_count}"))
+            self._maybe_save()
         return history
+
+    def _train_async(self, problems: Sequence[Any], num_steps: int) -> list[dict[str, Any]]:
+        """num_steps steps fed by a producer that generates ahead while this thread trains; stopped at the end."""
+        cfg = self.config.rollout
+        if self.rank == 0:
+            self._pad_token_id = pad_token_id_of(self.worker)
+            # continue where the last call stopped
+            offset = (self.step_count * cfg.num_prompts_per_step) % len(problems)
+            self.producer = AsyncRolloutProducer(
+                self.worker,
+                list(problems[offset:]) + list(problems[:offset]),
+                n=cfg.num_samples_per_prompt,
+                temperature=cfg.temperature,
+                max_tokens=cfg.max_tokens,
+                seed=cfg.seed + self.step_count * 1_000_003,
+                groups_per_step=cfg.num_prompts_per_step,
+                lookahead_steps=cfg.lookahead_steps,
+                start_version=self.step_count,
+            )
+            self._last_take = None
+        history = []
+        try:
+            for _ in range(num_steps):
+                self.step_count += 1
+                batch, rewards, metrics = self._generate_async()
+                history.append(self._update(batch, rewards, metrics))
+                self._maybe_save()
+        finally:
+            # Groups generated ahead of the last step are not used: their requests are aborted.
+            if self.producer is not None:
+                self.producer.close()
+                self.producer = None
+        return history
+
+    def _maybe_save(self) -> None:
+        every = self.config.logging.save_every
+        if every and self.step_count % every == 0:
+            self.policy.save(os.path.join(self.config.logging.output_dir, f"step-{self.step_count}"))
 
     def close(self) -> None:
         """Shuts the weight sync down (and the worker, if this trainer started it)."""
+        if self.producer is not None:
+            self.producer.close()
+            self.producer = None
         self.sync.shutdown()
         if self._owns_worker and self.worker is not None:
             self.worker.shutdown()
