@@ -1,0 +1,1 @@
+"""grpo_tiny: GRPO on CPU teaches a tiny pre-trained Llama to add two numbers."""
