@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from trainers.logging import ConsoleMode, WandbMode, check_metrics_config
+
 LossName = Literal["grpo", "dr_grpo", "dapo"]
 AdvantageScale = Literal["group", "batch", "none"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -16,13 +18,15 @@ ParamDtype = Literal["float32", "bfloat16"]
 Device = Literal["cpu", "cuda"]
 
 
-def _check_choice(name: str, value, allowed) -> None:
+def check_choice(name: str, value, allowed) -> None:
+    """ValueError naming `name` unless `value` is one of the Literal type `allowed`'s choices."""
     choices = get_args(allowed)
     if value not in choices:
         raise ValueError(f"{name}: {value!r} is not one of {list(choices)}")
 
 
-def _check_range(name: str, value, low=None, high=None, *, low_open: bool = False) -> None:
+def check_range(name: str, value, low=None, high=None, *, low_open: bool = False) -> None:
+    """ValueError naming `name` unless low <= value (low < value with low_open) and value <= high."""
     if low is not None and (value <= low if low_open else value < low):
         raise ValueError(f"{name}: must be {'>' if low_open else '>='} {low}, got {value}")
     if high is not None and value > high:
@@ -43,8 +47,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.path or not os.path.isfile(os.path.join(self.path, "config.json")):
             raise ValueError(f"model.path: {self.path!r} is not a directory with a config.json")
-        _check_choice("model.device", self.device, Device)
-        _check_choice("model.param_dtype", self.param_dtype, ParamDtype)
+        check_choice("model.device", self.device, Device)
+        check_choice("model.param_dtype", self.param_dtype, ParamDtype)
 
 
 @dataclass
@@ -75,22 +79,27 @@ class RolloutConfig:
     """Async mode, stale_policy=downweight: advantage factor per version beyond max_staleness (stale_weight ** excess)."""
     async_lookahead: int | None = None
     """Async mode: steps' worth of groups the producer may submit beyond the served weights; none: max_staleness + 1 (the most that stays within the bound when groups finish in order)."""
+    colocate: bool = False
+    """Share the device with the engine: weights sync through the ipc backend (shared memory on CPU, CUDA IPC on GPU) and the worker sleeps while the trainer trains."""
 
     def __post_init__(self) -> None:
-        _check_range("rollout.num_prompts_per_step", self.num_prompts_per_step, 1)
-        _check_range("rollout.num_samples_per_prompt", self.num_samples_per_prompt, 2)
-        _check_range("rollout.temperature", self.temperature, 0.0, low_open=True)
-        _check_range("rollout.max_tokens", self.max_tokens, 1)
-        _check_range("rollout.max_model_len", self.max_model_len, 2)
+        check_range("rollout.num_prompts_per_step", self.num_prompts_per_step, 1)
+        check_range("rollout.num_samples_per_prompt", self.num_samples_per_prompt, 2)
+        check_range("rollout.temperature", self.temperature, 0.0, low_open=True)
+        check_range("rollout.max_tokens", self.max_tokens, 1)
+        check_range("rollout.max_model_len", self.max_model_len, 2)
         if self.max_tokens >= self.max_model_len:
             raise ValueError(
                 f"rollout.max_tokens: {self.max_tokens} leaves no room for a prompt in max_model_len={self.max_model_len}"
             )
-        _check_range("rollout.max_staleness", self.max_staleness, 0)
-        _check_choice("rollout.stale_policy", self.stale_policy, StalePolicy)
-        _check_range("rollout.stale_weight", self.stale_weight, 0.0, 1.0, low_open=True)
+        check_range("rollout.max_staleness", self.max_staleness, 0)
+        check_choice("rollout.stale_policy", self.stale_policy, StalePolicy)
+        check_range("rollout.stale_weight", self.stale_weight, 0.0, 1.0, low_open=True)
         if self.async_lookahead is not None:
-            _check_range("rollout.async_lookahead", self.async_lookahead, 1)
+            check_range("rollout.async_lookahead", self.async_lookahead, 1)
+        if self.colocate and self.async_mode:
+            # a sleeping engine cannot keep generating while the trainer trains
+            raise ValueError("rollout.colocate: the worker sleeps during training, so it cannot run with rollout.async_mode")
 
     @property
     def lookahead_steps(self) -> int:
@@ -136,25 +145,25 @@ class AlgorithmConfig:
     """Passes over each step's samples."""
 
     def __post_init__(self) -> None:
-        _check_choice("algorithm.loss", self.loss, LossName)
-        _check_choice("algorithm.advantage_scale", self.advantage_scale, AdvantageScale)
+        check_choice("algorithm.loss", self.loss, LossName)
+        check_choice("algorithm.advantage_scale", self.advantage_scale, AdvantageScale)
         if self.aggregation is not None:
-            _check_choice("algorithm.aggregation", self.aggregation, Aggregation)
-        _check_choice("algorithm.kl_estimator", self.kl_estimator, KLEstimator)
-        _check_choice("algorithm.mismatch", self.mismatch, MismatchMode)
+            check_choice("algorithm.aggregation", self.aggregation, Aggregation)
+        check_choice("algorithm.kl_estimator", self.kl_estimator, KLEstimator)
+        check_choice("algorithm.mismatch", self.mismatch, MismatchMode)
         for name in ("clip_low", "clip_high"):
             value = getattr(self, name)
             if value is not None:
-                _check_range(f"algorithm.{name}", value, 0.0, low_open=True)
+                check_range(f"algorithm.{name}", value, 0.0, low_open=True)
         if self.clip_low is not None and self.clip_low >= 1.0:
             raise ValueError(f"algorithm.clip_low: must be < 1 (the ratio floor is 1 - clip_low), got {self.clip_low}")
         if self.dual_clip is not None:
-            _check_range("algorithm.dual_clip", self.dual_clip, 1.0, low_open=True)
-        _check_range("algorithm.kl_coef", self.kl_coef, 0.0)
-        _check_range("algorithm.entropy_coef", self.entropy_coef, 0.0)
-        _check_range("algorithm.mismatch_cap", self.mismatch_cap, 1.0)
-        _check_range("algorithm.num_minibatches", self.num_minibatches, 1)
-        _check_range("algorithm.num_epochs", self.num_epochs, 1)
+            check_range("algorithm.dual_clip", self.dual_clip, 1.0, low_open=True)
+        check_range("algorithm.kl_coef", self.kl_coef, 0.0)
+        check_range("algorithm.entropy_coef", self.entropy_coef, 0.0)
+        check_range("algorithm.mismatch_cap", self.mismatch_cap, 1.0)
+        check_range("algorithm.num_minibatches", self.num_minibatches, 1)
+        check_range("algorithm.num_epochs", self.num_epochs, 1)
 
     @property
     def drops_uniform_groups(self) -> bool:
@@ -179,34 +188,45 @@ class OptimConfig:
     """Clip the global gradient norm to this; 0 turns clipping off (the norm is still logged)."""
 
     def __post_init__(self) -> None:
-        _check_range("optim.lr", self.lr, 0.0, low_open=True)
+        check_range("optim.lr", self.lr, 0.0, low_open=True)
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"optim.{name}: must be in [0, 1), got {value}")
-        _check_range("optim.eps", self.eps, 0.0, low_open=True)
-        _check_range("optim.weight_decay", self.weight_decay, 0.0)
-        _check_range("optim.max_grad_norm", self.max_grad_norm, 0.0)
+        check_range("optim.eps", self.eps, 0.0, low_open=True)
+        check_range("optim.weight_decay", self.weight_decay, 0.0)
+        check_range("optim.max_grad_norm", self.max_grad_norm, 0.0)
 
 
 @dataclass
 class LoggingConfig:
-    """Where a run writes its outputs and how often."""
+    """Where a run writes its outputs (run directory, wandb run, console) and how often."""
 
-    output_dir: str = "runs/grpo"
-    """Directory for checkpoints and run files."""
+    output_dir: str = "runs/train"
+    """Run directory: metrics.jsonl, summary.json, the reward curve, wandb/ and checkpoints go here."""
     log_every: int = 1
     """Log metrics every this many steps."""
     save_every: int = 0
     """Save an HF checkpoint every this many steps (0: only at the end)."""
     save_final: bool = True
     """Save an HF checkpoint (loadable by `rollout launch`) to output_dir/final when training ends."""
+    wandb_mode: WandbMode = "offline"
+    """wandb run mode: offline (files only, never the network; `wandb sync` uploads later), online, or disabled."""
+    wandb_project: str = "rollout-toolkit"
+    """wandb project name."""
+    wandb_name: str | None = None
+    """wandb run name; none: the run directory's base name."""
+    wandb_tags: str = ""
+    """Comma-separated wandb tags."""
+    wandb_system_metrics: bool = False
+    """Let wandb sample CPU/GPU/memory and machine info (it may probe cloud metadata endpoints; off keeps offline runs local)."""
+    console: ConsoleMode = "auto"
+    """Console progress: auto (a tqdm bar on a TTY, else one line per step), bar, lines, or off."""
 
     def __post_init__(self) -> None:
-        if not self.output_dir:
-            raise ValueError("logging.output_dir: must not be empty")
-        _check_range("logging.log_every", self.log_every, 1)
-        _check_range("logging.save_every", self.save_every, 0)
+        check_metrics_config(self, prefix="logging.")
+        check_range("logging.log_every", self.log_every, 1)
+        check_range("logging.save_every", self.save_every, 0)
 
 
 @dataclass
@@ -223,8 +243,8 @@ class TaskConfig:
     def __post_init__(self) -> None:
         if not self.module:
             raise ValueError("task.module: must not be empty")
-        _check_range("task.num_train_problems", self.num_train_problems, 1)
-        _check_range("task.num_eval_problems", self.num_eval_problems, 0)
+        check_range("task.num_train_problems", self.num_train_problems, 1)
+        check_range("task.num_eval_problems", self.num_eval_problems, 0)
 
 
 @dataclass
@@ -249,4 +269,4 @@ class TrainerConfig:
     """Seed of the trainer's torch generator and of problem sampling."""
 
     def __post_init__(self) -> None:
-        _check_range("num_steps", self.num_steps, 0)
+        check_range("num_steps", self.num_steps, 0)

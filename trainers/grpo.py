@@ -13,37 +13,45 @@ trainer trains (trainers.async_rollouts); a keep-mode pause brackets each weight
 requests in flight freeze and recompute with the new weights on resume. Every sample's
 staleness (how many versions its oldest token is behind the policy being trained) is measured
 from its weight_versions spans; samples past rollout.max_staleness are dropped or down-weighted.
+
+With rollout.colocate, trainer and engine share the device: weights sync through the ipc
+backend and the worker sleeps (KV cache freed, weights offloaded) during each train phase.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
 import os
-import sys
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Self
 
 import torch
-import torch.distributed as dist
 
 from trainers.advantages import dapo_keep_groups, dr_grpo_advantages, grpo_advantages
 from trainers.async_rollouts import AsyncRolloutProducer, pad_token_id_of, sample_staleness, stale_sample_weights
-from trainers.cli import parse_config, to_dict
+from trainers.common import (
+    HistogramFn,
+    LogFn,
+    RewardFn,
+    broadcast_from_rank0,
+    check_worker_logprobs,
+    cli_entry,
+    generate_and_score,
+    items_for_step,
+    make_weight_sync,
+    rename_loss_metrics,
+    reward_metrics,
+    run_main,
+    score,
+    single_reward,  # noqa: F401 - part of this module's API
+    start_worker,
+    step_seed,
+    worker_asleep,
+)
 from trainers.config import AlgorithmConfig, TrainerConfig
 from trainers.losses import DAPOLoss, DrGRPOLoss, GRPOLoss, PolicyBatch, PolicyLoss
-from trainers.policy import Policy, init_distributed
-from trainers.rollouts import RolloutBatch, collate, generate_rollouts
-from weight_transfer import trainer_init
-from weight_transfer.clients import LocalWeightSyncClient
-from weight_transfer.local import LocalTrainerInitInfo
-
-# batched reward: (completions, per-sample items) -> one float per completion
-RewardFn = Callable[[list[str], list[Any]], Sequence[float]]
-LogFn = Callable[[dict[str, float], int], None]
-# (name, values, step): records a distribution, e.g. MetricsLogger.log_histogram
-HistogramFn = Callable[[str, Sequence[float], int], None]
+from trainers.policy import Policy, init_distributed, mean_over_ranks
+from trainers.rollouts import RolloutBatch, collate
 
 _LOSSES: dict[str, type[PolicyLoss]] = {"grpo": GRPOLoss, "dr_grpo": DrGRPOLoss, "dapo": DAPOLoss}
 
@@ -67,27 +75,6 @@ def make_loss(algorithm: AlgorithmConfig) -> PolicyLoss:
     return loss_cls(config)
 
 
-def single_reward(fn: Callable[[str, Any], float]) -> RewardFn:
-    """Adapts a per-sample reward `fn(completion, item) -> float` to the batched form the trainer calls."""
-
-    def batched(completions: list[str], items: list[Any]) -> list[float]:
-        return [float(fn(c, item)) for c, item in zip(completions, items)]
-
-    return batched
-
-
-def console_log(metrics: dict[str, float], step: int) -> None:
-    """The default `log`: one line per step on stdout."""
-    keys = ("reward_mean", "reward_std", "loss", "kl", "entropy", "clip_fraction", "mismatch_abs", "grad_norm")
-    shown = " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
-    print(f"step {step}: {shown}", flush=True)
-
-
-def _prompt_of(item: Any) -> Any:
-    """An item's prompt: its `.prompt` attribute (task problems) or the item itself (a string or token-id dict)."""
-    return getattr(item, "prompt", item)
-
-
 class GRPOTrainer:
     """One GRPO-family run (sync, or async with rollout.async_mode): the sharded policy, the loss, the rollout worker (rank 0) and the weight sync.
 
@@ -100,7 +87,7 @@ class GRPOTrainer:
                  log_histogram: HistogramFn | None = None) -> None:
         self.config = config
         self.reward_fn = reward_fn
-        self.log = log or console_log
+        self.log = log or (lambda metrics, step: None)
         self.log_histogram = log_histogram
         self.rank, self.world_size = init_distributed(config.model.device)
         torch.manual_seed(config.seed)
@@ -108,13 +95,12 @@ class GRPOTrainer:
         self.loss = make_loss(config.algorithm)
         self._owns_worker = False
         if self.rank == 0 and worker is None:
-            worker = self._start_worker()
+            worker = start_worker(config.model, config.rollout)
             self._owns_worker = True
         self.worker = worker if self.rank == 0 else None
         if self.worker is not None:
-            self._check_worker_logprobs()
-        client = LocalWeightSyncClient(self.worker) if self.rank == 0 else None
-        self.sync = trainer_init(LocalTrainerInitInfo(encoding="tensors"), client=client, source=self.policy.weight_source())
+            check_worker_logprobs(self.worker, config.rollout.temperature)
+        self.sync = make_weight_sync(config.rollout, self.worker, self.policy.weight_source(), self.rank)
         self.weight_version = self.worker.get_weight_version() if self.worker is not None else None
         self.step_count = 0
         # Version name -> integer version (0: the weights served before training, k: after step k);
@@ -123,63 +109,23 @@ class GRPOTrainer:
         self.producer: AsyncRolloutProducer | None = None
         self._last_take: float | None = None
 
-    def _start_worker(self):
-        from rollout import RolloutWorker
-
-        cfg = self.config
-        return RolloutWorker(
-            model=cfg.model.path,
-            multiprocess=cfg.rollout.multiprocess,
-            device=cfg.model.device,
-            dtype="bfloat16" if cfg.model.param_dtype == "bfloat16" else "float32",
-            max_model_len=cfg.rollout.max_model_len,
-            seed=cfg.rollout.seed,
-            # Logprobs after temperature: the distribution the engine sampled from, which the trainer recomputes.
-            logprobs_mode="processed_logprobs",
-        )
-
-    def _check_worker_logprobs(self) -> None:
-        mode = getattr(getattr(getattr(self.worker, "config", None), "model", None), "logprobs_mode", None)
-        if mode == "raw_logprobs" and self.config.rollout.temperature != 1.0:
-            raise ValueError(
-                "worker: logprobs_mode 'raw_logprobs' ignores rollout.temperature="
-                f"{self.config.rollout.temperature}; start the worker with logprobs_mode='processed_logprobs'"
-            )
-
     # ---- one step ------------------------------------------------------------------------------
 
     def _generate(self, items: Sequence[Any]) -> tuple[RolloutBatch, torch.Tensor, dict[str, Any]]:
         """Rank 0: samples, rewards and rollout metrics for `items`; every rank gets the same (broadcast)."""
-        cfg = self.config.rollout
-        payload: list[Any] = [None]
+        payload = None
         if self.rank == 0:
-            start = time.perf_counter()
-            batch = generate_rollouts(
-                self.worker,
-                [_prompt_of(item) for item in items],
-                n=cfg.num_samples_per_prompt,
-                temperature=cfg.temperature,
-                max_tokens=cfg.max_tokens,
-                seed=cfg.seed + self.step_count * 1_000_003,  # fresh samples every step, repeatable runs
-            )
-            generated = time.perf_counter()
-            rewards = self._score(batch, items)
-            metrics = {
-                "time_generate": generated - start,
-                "time_reward": time.perf_counter() - generated,
-                "tokens_per_s": float(batch.response_mask.sum()) / max(generated - start, 1e-9),
-                # Sync mode: every sample should come from the weights of the previous sync (all zeros).
-                "staleness/values": self._staleness(batch),
-            }
-            payload = [(batch, rewards, metrics)]
-        if self.world_size > 1:
-            dist.broadcast_object_list(payload, src=0)
-        return payload[0]
+            batch, rewards, metrics = generate_and_score(self.worker, items, self.reward_fn, self.config.rollout,
+                                                         step_seed(self.config.rollout, self.step_count))
+            # Sync mode: every sample should come from the weights of the previous sync (all zeros).
+            metrics["staleness/values"] = self._staleness(batch)
+            payload = (batch, rewards, metrics)
+        return broadcast_from_rank0(payload, self.world_size)
 
     def _generate_async(self) -> tuple[RolloutBatch, torch.Tensor, dict[str, Any]]:
         """Rank 0: the next step's finished groups from the producer, scored; every rank gets the same (broadcast)."""
         cfg = self.config.rollout
-        payload: list[Any] = [None]
+        payload = None
         if self.rank == 0:
             start = time.perf_counter()
             groups = self.producer.take(cfg.num_prompts_per_step)
@@ -187,29 +133,20 @@ class GRPOTrainer:
             groups.sort(key=lambda g: g.index)  # finish order varies; submission order keeps runs comparable
             batch = collate([g.output for g in groups], self._pad_token_id, cfg.num_samples_per_prompt)
             items = [g.item for g in groups]
-            rewards = self._score(batch, items)
+            rewards = score(self.reward_fn, batch, items)
             # Throughput of the pipeline: tokens handed over per second between two takes.
             since = taken - (self._last_take if self._last_take is not None else start)
             self._last_take = taken
             metrics = {
                 # only the wait for groups not finished yet: the rest of generation overlapped training
-                "time_generate": taken - start,
-                "time_reward": time.perf_counter() - taken,
+                "time/generate": taken - start,
+                "time/reward": time.perf_counter() - taken,
                 "tokens_per_s": float(batch.response_mask.sum()) / max(since, 1e-9),
                 "mixed_version_fraction": sum(len(v) > 1 for v in batch.sample_versions()) / batch.num_samples,
                 "staleness/values": self._staleness(batch),
             }
-            payload = [(batch, rewards, metrics)]
-        if self.world_size > 1:
-            dist.broadcast_object_list(payload, src=0)
-        return payload[0]
-
-    def _score(self, batch: RolloutBatch, items: Sequence[Any]) -> torch.Tensor:
-        rewards = self.reward_fn(batch.completions, [items[i] for i in batch.prompt_ids])
-        rewards = torch.as_tensor(list(rewards), dtype=torch.float32)
-        if rewards.shape != (batch.num_samples,):
-            raise ValueError(f"reward_fn: returned {rewards.numel()} rewards for {batch.num_samples} completions")
-        return rewards
+            payload = (batch, rewards, metrics)
+        return broadcast_from_rank0(payload, self.world_size)
 
     def _staleness(self, batch: RolloutBatch) -> list[int]:
         # The policy being trained at step k holds the weights of version k - 1.
@@ -270,15 +207,7 @@ class GRPOTrainer:
                     totals[k] = totals.get(k, 0.0) + v
                 num_updates += 1
         means = {k: v / num_updates for k, v in totals.items()}
-        return self._mean_over_ranks(means)
-
-    def _mean_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
-        if self.world_size == 1:
-            return metrics
-        names = sorted(metrics)  # same keys on every rank: same config, same code path
-        values = torch.tensor([metrics[n] for n in names], dtype=torch.float64, device=self.policy.device)
-        dist.all_reduce(values)
-        return dict(zip(names, (values / self.world_size).tolist()))
+        return rename_loss_metrics(mean_over_ranks(means, self.world_size, self.policy.device))
 
     def step(self, items: Sequence[Any]) -> dict[str, Any]:
         """One synchronous step on `items` (prompts, or objects with .prompt that reward_fn understands); every rank calls it."""
@@ -298,9 +227,7 @@ class GRPOTrainer:
         metrics = dict(metrics)
         rollout = self.config.rollout
         group = rollout.num_samples_per_prompt
-        metrics["reward_mean"] = float(rewards.mean())
-        metrics["reward_std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0
-        metrics["response_len_mean"] = float(batch.response_mask.sum(-1).mean())
+        metrics.update(reward_metrics(rewards, batch))
 
         # Advantages use whole groups (a stale sample's reward is still a fair baseline); the
         # staleness rule then drops samples or scales their advantage (and so their loss).
@@ -325,10 +252,12 @@ class GRPOTrainer:
         metrics["num_samples_trained"] = float(keep.numel())
 
         start = time.perf_counter()
-        if keep.numel() >= self.world_size:
-            train_batch = batch if keep.numel() == batch.num_samples else batch.select(keep)
-            metrics.update(self._train(train_batch, advantages[keep]))
-        metrics["time_train"] = time.perf_counter() - start
+        # Colocated: the engine's KV cache and weights leave the device while the trainer uses it.
+        with worker_asleep(self.worker, rollout.colocate):
+            if keep.numel() >= self.world_size:
+                train_batch = batch if keep.numel() == batch.num_samples else batch.select(keep)
+                metrics.update(self._train(train_batch, advantages[keep]))
+        metrics["time/train"] = time.perf_counter() - start
 
         start = time.perf_counter()
         version = f"step-{step}"
@@ -346,7 +275,7 @@ class GRPOTrainer:
         self._version_index[version] = step
         if self.producer is not None:
             self.producer.advance_version(step)
-        metrics["time_sync"] = time.perf_counter() - start
+        metrics["time/sync"] = time.perf_counter() - start
         metrics["weight_version"] = float(step)
         if self.rank == 0 and step % self.config.logging.log_every == 0:
             self.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step)
@@ -356,8 +285,7 @@ class GRPOTrainer:
 
     def items_for_step(self, problems: Sequence[Any], step: int) -> list[Any]:
         """The num_prompts_per_step problems of 1-based `step`, cycling through `problems` in order."""
-        num = self.config.rollout.num_prompts_per_step
-        return [problems[((step - 1) * num + i) % len(problems)] for i in range(num)]
+        return items_for_step(problems, step, self.config.rollout.num_prompts_per_step)
 
     def train(self, problems: Sequence[Any], num_steps: int | None = None) -> list[dict[str, Any]]:
         """Runs num_steps (default config.num_steps) steps over `problems`, saving on logging.save_every."""
@@ -419,10 +347,10 @@ class GRPOTrainer:
         if self._owns_worker and self.worker is not None:
             self.worker.shutdown()
 
-    def __enter__(self) -> GRPOTrainer:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -430,39 +358,9 @@ class GRPOTrainer:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """`python -m trainers.grpo`: train on config.task, evaluate held-out accuracy before and after, save."""
-    config = parse_config(TrainerConfig, argv, prog="python -m trainers.grpo")
-    task = importlib.import_module(config.task.module)
-    problems = task.make_problems(config.task.num_train_problems, config.seed, "train")
-    eval_problems = (
-        task.make_problems(config.task.num_eval_problems, config.seed, "eval")
-        if config.task.num_eval_problems and hasattr(task, "evaluate")
-        else []
-    )
-    summary: dict[str, Any] = {"config": to_dict(config)}
-    with GRPOTrainer(config, reward_fn=task.batched_reward) as trainer:
-        if trainer.rank == 0 and eval_problems:
-            summary["accuracy_before"] = task.evaluate(trainer.worker, eval_problems)
-            print(f"held-out accuracy before: {summary['accuracy_before']:.3f}", flush=True)
-        history = trainer.train(problems)
-        if trainer.rank == 0 and eval_problems:
-            summary["accuracy_after"] = task.evaluate(trainer.worker, eval_problems)
-            print(f"held-out accuracy after: {summary['accuracy_after']:.3f}", flush=True)
-        if config.logging.save_final:
-            trainer.policy.save(os.path.join(config.logging.output_dir, "final"))
-        if trainer.rank == 0:
-            summary["history"] = history
-            os.makedirs(config.logging.output_dir, exist_ok=True)
-            with open(os.path.join(config.logging.output_dir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return summary
+    """`python -m trainers.grpo`: train on config.task, evaluate held-out accuracy before and after, save the policy and the run record."""
+    return run_main(TrainerConfig, GRPOTrainer, argv, prog="python -m trainers.grpo")
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ValueError as e:  # bad configuration: a one-line message naming the field, not a traceback
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli_entry(main)

@@ -44,10 +44,35 @@ def init_distributed(device: str = "cpu") -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor (an FSDP2-sharded parameter, or a norm reduced over its shards)."""
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
+
+
+def clip_and_step(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, max_grad_norm: float) -> dict[str, float]:
+    """Clips the gradient norm (0: off), steps the optimizer unless the norm is non-finite, clears gradients."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
+    if is_dtensor(norm):
+        norm = norm.full_tensor()
+    grad_norm = float(norm)
+    # Every rank sees the same (reduced) norm, so every rank takes the same branch.
+    skipped = not math.isfinite(grad_norm)
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"grad_norm": grad_norm, "step_skipped": float(skipped)}
+
+
+def mean_over_ranks(metrics: dict[str, float], world_size: int, device: torch.device) -> dict[str, float]:
+    """Each metric averaged over all ranks (every rank must call it with the same keys)."""
+    if world_size == 1:
+        return metrics
+    names = sorted(metrics)  # same keys on every rank: same config, same code path
+    values = torch.tensor([metrics[n] for n in names], dtype=torch.float64, device=device)
+    dist.all_reduce(values)
+    return dict(zip(names, (values / world_size).tolist()))
 
 
 def load_sharded_model(config: ModelConfig, *, trainable: bool = True) -> nn.Module:
@@ -178,17 +203,8 @@ class Policy:
     def optimizer_step(self) -> dict[str, float]:
         """Clips the gradient norm, steps AdamW and clears gradients; a non-finite norm skips the step."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        max_norm = self.optim_config.max_grad_norm if self.optim_config.max_grad_norm > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if _is_dtensor(norm):
-            norm = norm.full_tensor()
-        grad_norm = float(norm)
-        # Every rank sees the same (reduced) norm, so every rank takes the same branch.
-        skipped = not math.isfinite(grad_norm)
-        if not skipped:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": grad_norm, "step_skipped": float(skipped), "lr": self.optimizer.param_groups[0]["lr"]}
+        metrics = clip_and_step(params, self.optimizer, self.optim_config.max_grad_norm)
+        return {**metrics, "lr": self.optimizer.param_groups[0]["lr"]}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer gathered in full on CPU, on rank 0 (empty elsewhere); every rank must call it."""

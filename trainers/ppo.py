@@ -12,22 +12,33 @@ worker, generates and scores; every rank trains on its share, as in trainers.grp
 
 from __future__ import annotations
 
-import importlib
-import json
 import math
-import os
-import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from trainers.advantages import gae, whiten
-from trainers.cli import parse_config, to_dict
+from trainers.common import (
+    HistogramFn,
+    LogFn,
+    RewardFn,
+    broadcast_from_rank0,
+    check_worker_logprobs,
+    cli_entry,
+    generate_and_score,
+    items_for_step,
+    make_weight_sync,
+    rename_loss_metrics,
+    reward_metrics,
+    run_main,
+    start_worker,
+    step_seed,
+    worker_asleep,
+)
 from trainers.config import (
     Aggregation,
     KLEstimator,
@@ -37,20 +48,13 @@ from trainers.config import (
     OptimConfig,
     RolloutConfig,
     TaskConfig,
-    _check_choice,
-    _check_range,
+    check_choice,
+    check_range,
 )
+from trainers.critic import Critic, CriticConfig, ValueModel, load_sharded_value_model  # noqa: F401 - re-exported
 from trainers.losses import PolicyBatch, PPOClipConfig, PPOClipLoss, ValueConfig, ValueLoss, kl_penalty
-from trainers.policy import Policy, _is_dtensor, gather_response_rows, init_distributed
-from trainers.rollouts import RolloutBatch, generate_rollouts
-from weight_transfer import trainer_init
-from weight_transfer.clients import LocalWeightSyncClient
-from weight_transfer.local import LocalTrainerInitInfo
-
-# batched reward: (completions, per-sample items) -> one float per completion
-RewardFn = Callable[[list[str], list[Any]], Sequence[float]]
-LogFn = Callable[[dict[str, float], int], None]
-
+from trainers.policy import Policy, init_distributed, mean_over_ranks
+from trainers.rollouts import RolloutBatch
 
 # ---- configuration ---------------------------------------------------------------------------
 
@@ -89,47 +93,25 @@ class PPOAlgorithmConfig:
     """Passes over each step's samples."""
 
     def __post_init__(self) -> None:
-        _check_range("algorithm.clip_low", self.clip_low, 0.0, low_open=True)
+        check_range("algorithm.clip_low", self.clip_low, 0.0, low_open=True)
         if self.clip_low >= 1.0:
             raise ValueError(f"algorithm.clip_low: must be < 1 (the ratio floor is 1 - clip_low), got {self.clip_low}")
-        _check_range("algorithm.clip_high", self.clip_high, 0.0, low_open=True)
+        check_range("algorithm.clip_high", self.clip_high, 0.0, low_open=True)
         if self.dual_clip is not None:
-            _check_range("algorithm.dual_clip", self.dual_clip, 1.0, low_open=True)
-        _check_choice("algorithm.aggregation", self.aggregation, Aggregation)
-        _check_range("algorithm.kl_coef", self.kl_coef, 0.0)
-        _check_choice("algorithm.kl_estimator", self.kl_estimator, KLEstimator)
-        _check_range("algorithm.entropy_coef", self.entropy_coef, 0.0)
-        _check_choice("algorithm.mismatch", self.mismatch, MismatchMode)
-        _check_range("algorithm.mismatch_cap", self.mismatch_cap, 1.0, low_open=True)
-        _check_range("algorithm.gamma", self.gamma, 0.0, 1.0)
-        _check_range("algorithm.lam", self.lam, 0.0, 1.0)
-        _check_range("algorithm.num_minibatches", self.num_minibatches, 1)
-        _check_range("algorithm.num_epochs", self.num_epochs, 1)
+            check_range("algorithm.dual_clip", self.dual_clip, 1.0, low_open=True)
+        check_choice("algorithm.aggregation", self.aggregation, Aggregation)
+        check_range("algorithm.kl_coef", self.kl_coef, 0.0)
+        check_choice("algorithm.kl_estimator", self.kl_estimator, KLEstimator)
+        check_range("algorithm.entropy_coef", self.entropy_coef, 0.0)
+        check_choice("algorithm.mismatch", self.mismatch, MismatchMode)
+        check_range("algorithm.mismatch_cap", self.mismatch_cap, 1.0, low_open=True)
+        check_range("algorithm.gamma", self.gamma, 0.0, 1.0)
+        check_range("algorithm.lam", self.lam, 0.0, 1.0)
+        check_range("algorithm.num_minibatches", self.num_minibatches, 1)
+        check_range("algorithm.num_epochs", self.num_epochs, 1)
         for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "mismatch_cap", "gamma", "lam"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"algorithm.{name}: must be finite, got {getattr(self, name)}")
-
-
-@dataclass
-class CriticConfig:
-    """The value model: the checkpoint's backbone with a scalar head, trained with the clipped value loss."""
-
-    lr: float = 1e-5
-    """Critic learning rate (AdamW; betas, eps and weight decay come from optim)."""
-    max_grad_norm: float = 1.0
-    """Clip the critic's gradient norm to this; 0 turns clipping off (the norm is still logged)."""
-    value_clip: float | None = 0.2
-    """How far a value may move from its rollout-time estimate before the clipped loss takes over; none: no clipping."""
-    path: str | None = None
-    """HF checkpoint of the critic's backbone; none: model.path (the policy's starting checkpoint)."""
-
-    def __post_init__(self) -> None:
-        _check_range("critic.lr", self.lr, 0.0, low_open=True)
-        _check_range("critic.max_grad_norm", self.max_grad_norm, 0.0)
-        if self.value_clip is not None and not (self.value_clip > 0.0 and math.isfinite(self.value_clip)):
-            raise ValueError(f"critic.value_clip: must be a finite number > 0 or none, got {self.value_clip}")
-        if self.path is not None and not os.path.isfile(os.path.join(self.path, "config.json")):
-            raise ValueError(f"critic.path: {self.path!r} is not a directory with a config.json")
 
 
 @dataclass
@@ -156,94 +138,9 @@ class PPOTrainerConfig:
     """Seed of the trainer's torch generator (and the critic head's initialisation) and of problem sampling."""
 
     def __post_init__(self) -> None:
-        _check_range("num_steps", self.num_steps, 0)
+        check_range("num_steps", self.num_steps, 0)
         if getattr(self.rollout, "async_mode", False):
             raise ValueError("rollout.async_mode: this PPO trainer is synchronous; async generation is GRPO-only for now")
-
-
-# ---- the critic ------------------------------------------------------------------------------
-
-
-class ValueModel(nn.Module):
-    """A decoder backbone (HF AutoModel, no LM head) and a linear head giving one value [B, L, 1] per position."""
-
-    def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
-        super().__init__()
-        self.backbone = backbone
-        self.value_head = nn.Linear(hidden_size, 1)
-        nn.init.zeros_(self.value_head.bias)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, L, H]
-        # Written out rather than self.value_head(hidden): nn.Linear on 3-D input returns a view, and
-        # FSDP2 cannot keep its backward hook on a view the caller might modify in place.
-        return hidden @ self.value_head.weight.t() + self.value_head.bias  # [B, L, 1]
-
-
-def load_sharded_value_model(path: str, model_config: ModelConfig) -> ValueModel:
-    """The checkpoint's backbone plus a fresh value head in float32, each decoder layer and then the root fully_shard'ed."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModel
-
-    if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialised; call trainers.policy.init_distributed() first")
-    device = torch.device("cuda", torch.cuda.current_device()) if model_config.device == "cuda" else torch.device("cpu")
-    backbone = AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-    # Every rank seeds the head alike (the caller's torch.manual_seed), so the unsharded head agrees across ranks.
-    model = ValueModel(backbone, backbone.config.hidden_size).to(device)
-    model.eval()  # no dropout: values of the same tokens must not depend on the pass
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if model_config.param_dtype == "bfloat16" else None,
-        reduce_dtype=torch.float32,
-    )
-    for layer in getattr(backbone, "layers", []):
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    return model
-
-
-def clip_and_step(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, max_grad_norm: float) -> dict[str, float]:
-    """Clips the gradient norm (0: off), steps the optimizer unless the norm is non-finite, clears gradients."""
-    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
-    if _is_dtensor(norm):
-        norm = norm.full_tensor()
-    grad_norm = float(norm)
-    skipped = not math.isfinite(grad_norm)  # the reduced norm is the same on every rank: all take the same branch
-    if not skipped:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {"grad_norm": grad_norm, "step_skipped": float(skipped)}
-
-
-class Critic:
-    """The FSDP2-sharded value model with its own AdamW."""
-
-    def __init__(self, model_config: ModelConfig, critic_config: CriticConfig, optim_config: OptimConfig) -> None:
-        self.config = critic_config
-        self.device_type = model_config.device
-        self.model = load_sharded_value_model(critic_config.path or model_config.path, model_config)
-        self.optimizer = torch.optim.AdamW(
-            list(self.model.parameters()),
-            lr=critic_config.lr,
-            betas=(optim_config.beta1, optim_config.beta2),
-            eps=optim_config.eps,
-            weight_decay=optim_config.weight_decay,
-        )
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else torch.device("cpu")
-
-    def response_values(self, input_ids: torch.Tensor, prompt_lens: torch.Tensor, num_response_positions: int) -> torch.Tensor:
-        """V(s_t) [B, R]: the value of the state just before response token t (the position whose logits predict it)."""
-        values = self.model(input_ids.to(self.device)).float()  # [B, L, 1]
-        rows = gather_response_rows(values, prompt_lens.to(self.device), num_response_positions)  # [B, R, 1]
-        return rows.squeeze(-1)  # [B, R]
-
-    def optimizer_step(self) -> dict[str, float]:
-        return clip_and_step(list(self.model.parameters()), self.optimizer, self.config.max_grad_norm)
 
 
 # ---- rewards and advantages ------------------------------------------------------------------
@@ -295,29 +192,6 @@ def _whiten_across_ranks(chunks: list[torch.Tensor], masks: list[torch.Tensor], 
 # ---- the trainer -----------------------------------------------------------------------------
 
 
-def start_worker(model: ModelConfig, rollout: RolloutConfig):
-    """A RolloutWorker on the policy checkpoint whose logprobs are those of the distribution it samples from."""
-    from rollout import RolloutWorker
-
-    return RolloutWorker(
-        model=model.path,
-        multiprocess=rollout.multiprocess,
-        device=model.device,
-        dtype="bfloat16" if model.param_dtype == "bfloat16" else "float32",
-        max_model_len=rollout.max_model_len,
-        seed=rollout.seed,
-        logprobs_mode="processed_logprobs",  # after temperature, as the trainer recomputes them
-    )
-
-
-def console_log(metrics: dict[str, float], step: int) -> None:
-    """The default `log`: one line per step on stdout."""
-    keys = ("reward_mean", "reward_std", "loss", "value_loss", "explained_variance", "kl", "entropy",
-            "clip_fraction", "mismatch_abs", "grad_norm", "critic_grad_norm")
-    shown = " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
-    print(f"step {step}: {shown}", flush=True)
-
-
 class PPOTrainer:
     """One synchronous PPO run: the sharded policy and critic, the losses, the rollout worker (rank 0) and the weight sync.
 
@@ -326,10 +200,12 @@ class PPOTrainer:
     sample against the item (a prompt, or an object with .prompt) it was generated from.
     """
 
-    def __init__(self, config: PPOTrainerConfig, reward_fn: RewardFn, *, worker=None, log: LogFn | None = None) -> None:
+    def __init__(self, config: PPOTrainerConfig, reward_fn: RewardFn, *, worker=None, log: LogFn | None = None,
+                 log_histogram: HistogramFn | None = None) -> None:
         self.config = config
         self.reward_fn = reward_fn
-        self.log = log or console_log
+        self.log = log or (lambda metrics, step: None)
+        self.log_histogram = log_histogram
         self.rank, self.world_size = init_distributed(config.model.device)
         torch.manual_seed(config.seed)
         algo = config.algorithm
@@ -348,14 +224,8 @@ class PPOTrainer:
             self._owns_worker = True
         self.worker = worker if self.rank == 0 else None
         if self.worker is not None:
-            mode = getattr(getattr(getattr(self.worker, "config", None), "model", None), "logprobs_mode", None)
-            if mode == "raw_logprobs" and config.rollout.temperature != 1.0:
-                raise ValueError(
-                    f"worker: logprobs_mode 'raw_logprobs' ignores rollout.temperature={config.rollout.temperature}; "
-                    "start the worker with logprobs_mode='processed_logprobs'"
-                )
-        client = LocalWeightSyncClient(self.worker) if self.rank == 0 else None
-        self.sync = trainer_init(LocalTrainerInitInfo(encoding="tensors"), client=client, source=self.policy.weight_source())
+            check_worker_logprobs(self.worker, config.rollout.temperature)
+        self.sync = make_weight_sync(config.rollout, self.worker, self.policy.weight_source(), self.rank)
         self.weight_version = self.worker.get_weight_version() if self.worker is not None else None
         self.step_count = 0
 
@@ -363,34 +233,17 @@ class PPOTrainer:
 
     def _generate(self, items: Sequence[Any]) -> tuple[RolloutBatch, torch.Tensor, dict[str, float]]:
         """Rank 0: samples, rewards [B] and rollout metrics for `items`; every rank gets the same (broadcast)."""
-        cfg = self.config.rollout
-        payload: list[Any] = [None]
+        payload = None
         if self.rank == 0:
-            start = time.perf_counter()
-            batch = generate_rollouts(
-                self.worker,
-                [getattr(item, "prompt", item) for item in items],
-                n=cfg.num_samples_per_prompt,
-                temperature=cfg.temperature,
-                max_tokens=cfg.max_tokens,
-                seed=cfg.seed + self.step_count * 1_000_003,  # fresh samples every step, repeatable runs
-            )
-            generated = time.perf_counter()
-            rewards = torch.as_tensor(list(self.reward_fn(batch.completions, [items[i] for i in batch.prompt_ids])),
-                                      dtype=torch.float32)
-            if rewards.shape != (batch.num_samples,):
-                raise ValueError(f"reward_fn: returned {rewards.numel()} rewards for {batch.num_samples} completions")
+            batch, rewards, metrics = generate_and_score(self.worker, items, self.reward_fn, self.config.rollout,
+                                                         step_seed(self.config.rollout, self.step_count))
             versions = batch.sample_versions()
-            metrics = {
-                "time_generate": generated - start,
-                "time_reward": time.perf_counter() - generated,
-                "tokens_per_s": float(batch.response_mask.sum()) / max(generated - start, 1e-9),
-                "stale_fraction": sum(v != {self.weight_version} for v in versions) / len(versions),
-            }
-            payload = [(batch, rewards, metrics)]
-        if self.world_size > 1:
-            dist.broadcast_object_list(payload, src=0)
-        return payload[0]
+            # Sync PPO: every sample comes from the weights of the last sync (staleness 0).
+            staleness = [0 if v == {self.weight_version} else 1 for v in versions]
+            metrics["staleness/values"] = staleness
+            metrics["stale_fraction"] = sum(staleness) / len(staleness)
+            payload = (batch, rewards, metrics)
+        return broadcast_from_rank0(payload, self.world_size)
 
     def _prepare(self, minibatches: list[RolloutBatch], rewards: list[torch.Tensor]) -> tuple[list[dict[str, Any]], dict[str, float]]:
         """Rollout-time quantities of each minibatch (behaviour logprobs, reference logprobs, values, GAE), no gradient."""
@@ -468,15 +321,7 @@ class PPOTrainer:
                 num_updates += 1
         means = {k: v / num_updates for k, v in totals.items()}
         means.update(prep_metrics)
-        return self._mean_over_ranks(means)
-
-    def _mean_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
-        if self.world_size == 1:
-            return metrics
-        names = sorted(metrics)  # same keys on every rank: same config, same code path
-        values = torch.tensor([metrics[n] for n in names], dtype=torch.float64, device=self.policy.device)
-        dist.all_reduce(values)
-        return dict(zip(names, (values / self.world_size).tolist()))
+        return rename_loss_metrics(mean_over_ranks(means, self.world_size, self.policy.device))
 
     def step(self, items: Sequence[Any]) -> dict[str, float]:
         """One PPO step on `items` (prompts, or objects with .prompt that reward_fn understands); every rank calls it."""
@@ -486,29 +331,32 @@ class PPOTrainer:
         step = self.step_count
         batch, rewards, metrics = self._generate(items)
         metrics = dict(metrics)
-        metrics["reward_mean"] = float(rewards.mean())
-        metrics["reward_std"] = float(rewards.std()) if rewards.numel() > 1 else 0.0
-        metrics["response_len_mean"] = float(batch.response_mask.sum(-1).mean())
+        metrics.update(reward_metrics(rewards, batch))
+        staleness = metrics.pop("staleness/values")
+        metrics["staleness/mean"] = sum(staleness) / len(staleness)
+        metrics["staleness/max"] = float(max(staleness))
 
         start = time.perf_counter()
-        if batch.num_samples >= self.world_size:
-            metrics.update(self._train(batch, rewards))
-        metrics["time_train"] = time.perf_counter() - start
+        with worker_asleep(self.worker, self.config.rollout.colocate):
+            if batch.num_samples >= self.world_size:
+                metrics.update(self._train(batch, rewards))
+        metrics["time/train"] = time.perf_counter() - start
 
         start = time.perf_counter()
         version = f"step-{step}"
         self.sync.send_weights(weight_version=version)
         self.weight_version = version
-        metrics["time_sync"] = time.perf_counter() - start
+        metrics["time/sync"] = time.perf_counter() - start
         metrics["weight_version"] = float(step)
         if self.rank == 0 and step % self.config.logging.log_every == 0:
             self.log(metrics, step)
+            if self.log_histogram is not None:
+                self.log_histogram("staleness", staleness, step)
         return metrics
 
     def items_for_step(self, problems: Sequence[Any], step: int) -> list[Any]:
         """The num_prompts_per_step problems of 1-based `step`, cycling through `problems` in order."""
-        num = self.config.rollout.num_prompts_per_step
-        return [problems[((step - 1) * num + i) % len(problems)] for i in range(num)]
+        return items_for_step(problems, step, self.config.rollout.num_prompts_per_step)
 
     def train(self, problems: Sequence[Any], num_steps: int | None = None) -> list[dict[str, float]]:
         """Runs num_steps (default config.num_steps) steps over `problems`, saving the policy on logging.save_every."""
@@ -519,7 +367,7 @@ class PPOTrainer:
             history.append(self.step(self.items_for_step(problems, self.step_count + 1)))
             every = self.config.logging.save_every
             if every and self.step_count % every == 0:
-                self.policy.save(os.path.join(self.config.logging.output_dir, f"step-{self.step_count}"))
+                self.policy.save(f"{self.config.logging.output_dir}/step-{self.step_count}")
         return history
 
     def close(self) -> None:
@@ -539,39 +387,9 @@ class PPOTrainer:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """`python -m trainers.ppo`: train on config.task, evaluate held-out accuracy before and after, save the policy."""
-    config = parse_config(PPOTrainerConfig, argv, prog="python -m trainers.ppo")
-    task = importlib.import_module(config.task.module)
-    problems = task.make_problems(config.task.num_train_problems, config.seed, "train")
-    eval_problems = (
-        task.make_problems(config.task.num_eval_problems, config.seed, "eval")
-        if config.task.num_eval_problems and hasattr(task, "evaluate")
-        else []
-    )
-    summary: dict[str, Any] = {"config": to_dict(config)}
-    with PPOTrainer(config, reward_fn=task.batched_reward) as trainer:
-        if trainer.rank == 0 and eval_problems:
-            summary["accuracy_before"] = task.evaluate(trainer.worker, eval_problems)
-            print(f"held-out accuracy before: {summary['accuracy_before']:.3f}", flush=True)
-        history = trainer.train(problems)
-        if trainer.rank == 0 and eval_problems:
-            summary["accuracy_after"] = task.evaluate(trainer.worker, eval_problems)
-            print(f"held-out accuracy after: {summary['accuracy_after']:.3f}", flush=True)
-        if config.logging.save_final:
-            trainer.policy.save(os.path.join(config.logging.output_dir, "final"))
-        if trainer.rank == 0:
-            summary["history"] = history
-            os.makedirs(config.logging.output_dir, exist_ok=True)
-            with open(os.path.join(config.logging.output_dir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return summary
+    """`python -m trainers.ppo`: train on config.task, evaluate held-out accuracy before and after, save the policy and the run record."""
+    return run_main(PPOTrainerConfig, PPOTrainer, argv, prog="python -m trainers.ppo")
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ValueError as e:  # bad configuration: a one-line message naming the field, not a traceback
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli_entry(main)

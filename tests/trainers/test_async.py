@@ -4,36 +4,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from trainers.async_rollouts import sample_staleness, stale_sample_weights
+from trainers.common import single_reward
 from trainers.config import LoggingConfig, ModelConfig, OptimConfig, RolloutConfig, TrainerConfig
-from trainers.grpo import GRPOTrainer, single_reward
+from trainers.grpo import GRPOTrainer
 
-PROMPTS = ["The quick brown fox", "Once upon a time", "12+35=", "Numbers appear too:"]
-NUM_PROMPTS, GROUP = 2, 4
+NUM_prompts, GROUP = 2, 4
 # A liveness guard for waits on the producer, not a timing assertion: a test that hits it has hung.
 _WAIT_S = 120.0
-
-
-def vowel_fraction(completion: str, item) -> float:
-    """A reward with many distinct values, so groups have a spread (non-zero advantages)."""
-    return sum(ch in "aeiou" for ch in completion) / max(len(completion), 1)
-
-
-@pytest.fixture
-def process_group():
-    created = not dist.is_initialized()
-    yield
-    if created and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def make_config(path: str, tmp_path, **rollout) -> TrainerConfig:
     return TrainerConfig(
         model=ModelConfig(path=path),
         rollout=RolloutConfig(
-            num_prompts_per_step=NUM_PROMPTS, num_samples_per_prompt=GROUP, max_tokens=8, max_model_len=128,
+            num_prompts_per_step=NUM_prompts, num_samples_per_prompt=GROUP, max_tokens=8, max_model_len=128,
             async_mode=True, **rollout,
         ),
         optim=OptimConfig(lr=1e-3),
@@ -115,14 +101,14 @@ def test_lookahead_defaults_to_one_past_the_staleness_bound():
 # ---- the trainer, end to end ---------------------------------------------------------------------
 
 
-def test_async_generates_while_training_and_never_exceeds_max_staleness(process_group, tiny_checkpoint, tmp_path):
+def test_async_generates_while_training_and_never_exceeds_max_staleness(process_group, tiny_checkpoint, tmp_path, prompts, vowel_reward):
     config = make_config(tiny_checkpoint("llama"), tmp_path, max_staleness=1)  # lookahead 2 steps
     logged, histograms, seen = [], [], []
-    with GRPOTrainer(config, single_reward(vowel_fraction), log=lambda m, s: logged.append((m, s)),
+    with GRPOTrainer(config, single_reward(vowel_reward), log=lambda m, s: logged.append((m, s)),
                      log_histogram=lambda name, values, s: histograms.append((name, list(values), s))) as trainer:
         worker = trainer.worker
         with pytest.raises(ValueError, match="rollout.async_mode"):
-            trainer.step(PROMPTS[:2])
+            trainer.step(prompts[:2])
 
         # Every weight sync must happen inside a keep-mode pause.
         events = []
@@ -135,10 +121,10 @@ def test_async_generates_while_training_and_never_exceeds_max_staleness(process_
             return send(*args, **kwargs)
 
         trainer.sync.send_weights = send_weights
-        # At step k the worker serves version k-1, so groups up to (k + 1) * NUM_PROMPTS are admitted;
+        # At step k the worker serves version k-1, so groups up to (k + 1) * NUM_prompts are admitted;
         # the slowed train phase waits until they finish: the producer must generate meanwhile.
-        slow_down(trainer, lambda k: (k + 1) * NUM_PROMPTS, seen)
-        history = trainer.train(PROMPTS, num_steps=4)
+        slow_down(trainer, lambda k: (k + 1) * NUM_prompts, seen)
+        history = trainer.train(prompts, num_steps=4)
 
         assert trainer.producer is None  # stopped at the end of train()
         assert worker.get_weight_version() == "step-4"
@@ -153,7 +139,7 @@ def test_async_generates_while_training_and_never_exceeds_max_staleness(process_
     all_trained = []
     for step, metrics in enumerate(history, start=1):
         values = metrics["staleness/values"]
-        assert len(values) == metrics["num_samples_trained"] == NUM_PROMPTS * GROUP
+        assert len(values) == metrics["num_samples_trained"] == NUM_prompts * GROUP
         assert all(0 <= v <= 1 for v in values), (step, values)  # the bound, on every sample trained on
         assert metrics["staleness/max"] == max(values) and metrics["staleness/mean"] == pytest.approx(sum(values) / 8)
         assert metrics["num_stale_dropped"] == 0
@@ -176,15 +162,15 @@ def _fill_the_lookahead_first(trainer, seen):
     # Step 1's train phase waits until every group admitted at version 0 has finished, so
     # step 2 finds only version-0 groups ahead of any submitted after the first sync.
     lookahead = trainer.config.rollout.lookahead_steps
-    slow_down(trainer, lambda k: lookahead * NUM_PROMPTS if k == 1 else 0, seen)
+    slow_down(trainer, lambda k: lookahead * NUM_prompts if k == 1 else 0, seen)
 
 
-def test_drop_policy_trains_on_no_sample_past_the_bound(process_group, tiny_checkpoint, tmp_path):
+def test_drop_policy_trains_on_no_sample_past_the_bound(process_group, tiny_checkpoint, tmp_path, prompts, vowel_reward):
     config = make_config(tiny_checkpoint("llama"), tmp_path, max_staleness=0, async_lookahead=3, stale_policy="drop")
     seen = []
-    with GRPOTrainer(config, single_reward(vowel_fraction), log=lambda m, s: None) as trainer:
+    with GRPOTrainer(config, single_reward(vowel_reward), log=lambda m, s: None) as trainer:
         _fill_the_lookahead_first(trainer, seen)
-        history = trainer.train(PROMPTS, num_steps=3)
+        history = trainer.train(prompts, num_steps=3)
     assert seen[0]["reached"]
     assert history[0]["staleness/values"] == [0] * 8 and history[0]["num_samples_trained"] == 8
     # Step 2's groups were all generated by version 0 while version 1 is trained: all dropped.
@@ -195,19 +181,19 @@ def test_drop_policy_trains_on_no_sample_past_the_bound(process_group, tiny_chec
         assert metrics["num_samples_trained"] + metrics["num_stale_dropped"] == 8
 
 
-def test_downweight_policy_scales_stale_advantages(process_group, tiny_checkpoint, tmp_path):
+def test_downweight_policy_scales_stale_advantages(process_group, tiny_checkpoint, tmp_path, prompts, vowel_reward):
     config = make_config(tiny_checkpoint("llama"), tmp_path, max_staleness=0, async_lookahead=3,
                          stale_policy="downweight", stale_weight=0.5)
     seen, rewards = [], []
 
     def reward(completions, items):
-        values = [vowel_fraction(c, i) for c, i in zip(completions, items)]
+        values = [vowel_reward(c, i) for c, i in zip(completions, items)]
         rewards.append(torch.tensor(values))
         return values
 
     with GRPOTrainer(config, reward, log=lambda m, s: None) as trainer:
         _fill_the_lookahead_first(trainer, seen)
-        history = trainer.train(PROMPTS, num_steps=2)
+        history = trainer.train(prompts, num_steps=2)
         unweighted = [trainer._advantages(r) for r in rewards]
     assert [m["num_samples_trained"] for m in history] == [8, 8] and history[1]["num_stale_dropped"] == 0
     assert history[0]["staleness/values"] == [0] * 8 and history[0]["staleness/weight_mean"] == 1.0

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from trainers.cli import build_parser, parse_config
-from trainers.config import AlgorithmConfig, ModelConfig, OptimConfig, RolloutConfig, TrainerConfig
+from trainers.config import AlgorithmConfig, LoggingConfig, ModelConfig, OptimConfig, RolloutConfig, TrainerConfig
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,11 @@ def model_dir(tiny_checkpoint):
         (lambda: OptimConfig(lr=0.0), "optim.lr"),
         (lambda: OptimConfig(beta2=1.0), "optim.beta2"),
         (lambda: ModelConfig(path="/nonexistent"), "model.path"),
+        (lambda: LoggingConfig(wandb_mode="cloud"), "logging.wandb_mode"),
+        (lambda: LoggingConfig(console="tty"), "logging.console"),
+        (lambda: LoggingConfig(wandb_project=" "), "logging.wandb_project"),
+        (lambda: LoggingConfig(output_dir=""), "logging.output_dir"),
+        (lambda: RolloutConfig(colocate=True, async_mode=True), "rollout.colocate"),
     ],
 )
 def test_bad_values_name_the_field(build, field):
@@ -41,7 +46,8 @@ def test_bad_values_name_the_field(build, field):
 def test_every_leaf_field_has_a_flag_with_its_docstring():
     parser = build_parser(TrainerConfig)
     flags = {a.dest: a for a in parser._actions}
-    for name, cls in (("rollout", RolloutConfig), ("algorithm", AlgorithmConfig), ("optim", OptimConfig)):
+    for name, cls in (("rollout", RolloutConfig), ("algorithm", AlgorithmConfig), ("optim", OptimConfig),
+                      ("logging", LoggingConfig)):
         for f in dataclasses.fields(cls):
             assert f"{name}.{f.name}" in flags, f.name
             assert flags[f"{name}.{f.name}"].help and "(default:" in flags[f"{name}.{f.name}"].help
@@ -97,7 +103,8 @@ def test_missing_required_field_names_it():
 def test_module_help_lists_the_flags():
     result = subprocess.run([sys.executable, "-m", "trainers.grpo", "--help"], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
-    for flag in ("--config", "--model.path", "--rollout.temperature", "--algorithm.mismatch-cap", "--optim.max-grad-norm"):
+    for flag in ("--config", "--model.path", "--rollout.temperature", "--algorithm.mismatch-cap", "--optim.max-grad-norm",
+                 "--rollout.colocate", "--logging.wandb-mode", "--logging.wandb-project", "--logging.console"):
         assert flag in result.stdout
 
 
@@ -106,3 +113,8 @@ def test_module_reports_a_bad_flag_value_naming_the_field(model_dir):
                             capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 2
     assert "error: rollout.temperature: must be > 0.0" in result.stderr, result.stderr
+
+
+def test_logging_defaults_are_offline_and_neutral():
+    config = LoggingConfig()
+    assert config.wandb_mode == "offline" and config.output_dir == "runs/train"

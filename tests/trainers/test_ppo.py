@@ -13,17 +13,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from trainers.common import single_reward
 from trainers.config import LoggingConfig, ModelConfig, OptimConfig, RolloutConfig
-from trainers.grpo import single_reward
+from trainers.logging import METRICS
 from trainers.ppo import CriticConfig, PPOAlgorithmConfig, PPOTrainer, PPOTrainerConfig, token_rewards
 from weight_transfer import hf_state_checksums
-
-PROMPTS = ["The quick brown fox", "Once upon a time", "12+35=", "Numbers appear too:"]
-
-
-def vowel_fraction(completion: str, item) -> float:
-    """A toy reward with many distinct values, which a tiny random model can climb within a few dozen steps."""
-    return sum(ch in "aeiou" for ch in completion) / max(len(completion), 1)
 
 
 def make_config(path: str, tmp_path, **algorithm) -> PPOTrainerConfig:
@@ -35,14 +29,6 @@ def make_config(path: str, tmp_path, **algorithm) -> PPOTrainerConfig:
         optim=OptimConfig(lr=1e-3, weight_decay=0.0),  # no decay: only real gradients move a parameter
         logging=LoggingConfig(output_dir=str(tmp_path / "run"), save_final=False),
     )
-
-
-@pytest.fixture
-def process_group():
-    created = not dist.is_initialized()
-    yield
-    if created and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def test_token_rewards_put_the_reward_on_the_last_token_and_kl_on_every_token():
@@ -71,25 +57,25 @@ def test_whitening_pools_ragged_minibatches_and_the_all_rank_formula_agrees(monk
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_one_ppo_step_moves_policy_and_critic_and_syncs_the_worker(process_group, tiny_checkpoint, tmp_path):
+def test_one_ppo_step_moves_policy_and_critic_and_syncs_the_worker(process_group, tiny_checkpoint, tmp_path, prompts, vowel_reward):
     config = make_config(tiny_checkpoint("llama"), tmp_path, kl_coef=0.05, num_epochs=2, num_minibatches=2)
     logged: list[tuple[dict, int]] = []
-    with PPOTrainer(config, single_reward(vowel_fraction), log=lambda m, s: logged.append((m, s))) as trainer:
+    with PPOTrainer(config, single_reward(vowel_reward), log=lambda m, s: logged.append((m, s))) as trainer:
         worker = trainer.worker
         assert worker.get_weight_version() == trainer.weight_version  # not "step-*" yet
         policy_before = {n: p.full_tensor().clone() for n, p in trainer.policy.model.named_parameters()}
         critic_before = {n: p.full_tensor().clone() for n, p in trainer.critic.model.named_parameters()}
 
-        metrics = trainer.step(PROMPTS[:2])
+        metrics = trainer.step(prompts[:2])
 
         assert worker.get_weight_version() == "step-1" == trainer.weight_version
         assert [s for _, s in logged] == [1]
-        for key in ("reward_mean", "loss", "value_loss", "explained_variance", "value_clip_fraction", "kl",
-                    "token_reward_kl", "entropy", "clip_fraction", "mismatch_abs", "is_weight_mean", "grad_norm",
-                    "critic_grad_norm", "time_sync"):
+        for key in (*METRICS, "loss", "value_loss", "explained_variance", "value_clip_fraction", "token_reward_kl",
+                    "is_weight_mean", "grad_norm", "critic_grad_norm"):
             assert key in metrics, key
+        assert not any(isinstance(v, list) for v in logged[0][0].values())
         assert metrics["grad_norm"] > 0 and metrics["critic_grad_norm"] > 0
-        assert metrics["mismatch_abs"] < 1e-4  # step 1 sampled and trained on the same initial weights
+        assert metrics["mismatch/abs"] < 1e-4  # step 1 sampled and trained on the same initial weights
         assert metrics["stale_fraction"] == 0.0
 
         policy_after = {n: p.full_tensor() for n, p in trainer.policy.model.named_parameters()}
@@ -102,25 +88,25 @@ def test_one_ppo_step_moves_policy_and_critic_and_syncs_the_worker(process_group
         report = worker.weight_checker(hf_state_checksums(policy_after))
         assert report["match"], report
         # A second step samples from the synced weights: still no train/inference mismatch.
-        second = trainer.step(PROMPTS[2:])
-        assert second["mismatch_abs"] < 1e-4 and second["stale_fraction"] == 0.0
+        second = trainer.step(prompts[2:])
+        assert second["mismatch/abs"] < 1e-4 and second["stale_fraction"] == 0.0
         assert worker.get_weight_version() == "step-2"
 
 
-def test_ppo_improves_the_reward_over_thirty_steps(process_group, tiny_checkpoint, tmp_path):
+def test_ppo_improves_the_reward_over_thirty_steps(process_group, tiny_checkpoint, tmp_path, prompts, vowel_reward):
     # Signs end to end: token rewards, GAE, whitening, the ratio, both losses and the weight sync
     # all have to point the right way for the reward to climb.
     config = make_config(tiny_checkpoint("llama"), tmp_path, num_epochs=1, num_minibatches=2)
     config.rollout = RolloutConfig(num_prompts_per_step=4, num_samples_per_prompt=4, max_tokens=8, max_model_len=128)
     config.optim = OptimConfig(lr=3e-3)
-    with PPOTrainer(config, single_reward(vowel_fraction), log=lambda m, s: None) as trainer:
-        history = trainer.train(PROMPTS, num_steps=30)
-    rewards = [m["reward_mean"] for m in history]
+    with PPOTrainer(config, single_reward(vowel_reward), log=lambda m, s: None) as trainer:
+        history = trainer.train(prompts, num_steps=30)
+    rewards = [m["reward/mean"] for m in history]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"PPO vowel-fraction reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}; per step {[round(r, 3) for r in rewards]}")
     print(f"explained variance: first {history[0]['explained_variance']:.3f}, last {history[-1]['explained_variance']:.3f}")
     assert last > first + 0.15, rewards
-    assert all(m["mismatch_abs"] < 1e-4 for m in history)  # every sync kept engine and trainer in agreement
+    assert all(m["mismatch/abs"] < 1e-4 for m in history)  # every sync kept engine and trainer in agreement
 
 
 @pytest.mark.parametrize(
@@ -159,20 +145,32 @@ def test_ppo_command_line_help_and_bad_flag(tiny_checkpoint):
     assert "error: algorithm.lam: must be <= 1.0" in result.stderr, result.stderr
 
 
-def test_command_line_run_writes_summary_and_a_servable_checkpoint(tiny_checkpoint, tmp_path):
+def test_command_line_run_writes_the_run_record_and_a_servable_checkpoint(tiny_checkpoint, tmp_path):
+    import glob
+
     from engine import LLM
+    from trainers.logging import read_history
 
     out = tmp_path / "cli-run"
     cmd = [sys.executable, "-m", "trainers.ppo", "--model.path", tiny_checkpoint("llama"), "--num-steps", "2",
            "--rollout.num-prompts-per-step", "2", "--rollout.max-tokens", "6", "--task.num-train-problems", "8",
-           "--task.num-eval-problems", "4", "--algorithm.kl-coef", "0.1", "--logging.output-dir", str(out)]
+           "--task.num-eval-problems", "4", "--algorithm.kl-coef", "0.1", "--logging.output-dir", str(out),
+           "--logging.console", "lines"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "step 2:" in result.stdout and "value_loss=" in result.stdout
+    assert "step 2:" in result.stdout and "kl=" in result.stdout
     summary = json.loads((out / "summary.json").read_text())
-    assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
+    assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0  # top level
     assert [m["weight_version"] for m in summary["history"]] == [1.0, 2.0]
     assert summary["config"]["algorithm"]["kl_coef"] == 0.1 and "critic" in summary["config"]
+    history = read_history(str(out))
+    assert [r["step"] for r in history] == [1, 2]
+    for record in history:
+        assert set(METRICS) <= set(record), set(METRICS) - set(record)
+        assert "value_loss" in record and record["staleness"]["counts"] == {"0": 8}
+    runs = glob.glob(str(out / "wandb" / "offline-run-*"))
+    assert len(runs) == 1 and glob.glob(os.path.join(runs[0], "*.wandb")), runs
+    assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     LLM(str(out / "final"), device="cpu", dtype="float32", max_model_len=64)  # `rollout launch` loads the same way
 
 
@@ -185,7 +183,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, path: str, port: int, out_dir: str) -> None:
+def _spawned_reward(completion: str, item) -> float:
+    # spawned ranks cannot import the conftest's helpers, so they carry their own reward
+    return sum(ch in "aeiou" for ch in completion) / max(len(completion), 1)
+
+
+def _rank_main(rank: int, path: str, port: int, out_dir: str, prompts: list[str]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     config = PPOTrainerConfig(
         model=ModelConfig(path=path),
@@ -194,11 +197,11 @@ def _rank_main(rank: int, path: str, port: int, out_dir: str) -> None:
         optim=OptimConfig(lr=1e-3, weight_decay=0.0),
         logging=LoggingConfig(output_dir=os.path.join(out_dir, "run"), save_final=False),
     )
-    with PPOTrainer(config, single_reward(vowel_fraction), log=lambda m, s: None) as trainer:
+    with PPOTrainer(config, single_reward(_spawned_reward), log=lambda m, s: None) as trainer:
         assert trainer.world_size == 2
         models = {"policy": trainer.policy.model, "critic": trainer.critic.model}
         before = {k: {n: p.full_tensor().clone() for n, p in m.named_parameters()} for k, m in models.items()}
-        metrics = trainer.step(PROMPTS[:2])
+        metrics = trainer.step(prompts[:2])
         after = {k: {n: p.full_tensor().clone() for n, p in m.named_parameters()} for k, m in models.items()}
         report = {"rank": rank, "metrics": metrics}
         if rank == 0:
@@ -211,8 +214,8 @@ def _rank_main(rank: int, path: str, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_two_rank_ppo_step_moves_every_parameter_and_keeps_ranks_identical(tiny_checkpoint, tmp_path):
-    mp.start_processes(_rank_main, args=(tiny_checkpoint("llama"), _free_port(), str(tmp_path)), nprocs=2,
+def test_two_rank_ppo_step_moves_every_parameter_and_keeps_ranks_identical(tiny_checkpoint, tmp_path, prompts):
+    mp.start_processes(_rank_main, args=(tiny_checkpoint("llama"), _free_port(), str(tmp_path), prompts), nprocs=2,
                        start_method="spawn", join=True)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
@@ -223,5 +226,5 @@ def test_two_rank_ppo_step_moves_every_parameter_and_keeps_ranks_identical(tiny_
             assert torch.equal(full[n], states[1]["after"][model][n]), (model, n)
     # Both ranks agree on the reduced metrics (timings aside); the engine got the new policy weights.
     a, b = (reports[r]["metrics"] for r in range(2))
-    assert all(a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9) for k in a if k not in ("time_train", "time_sync"))
+    assert all(a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9) for k in a if k not in ("time/train", "time/sync"))
     assert reports[0]["engine_version"] == "step-1" and reports[0]["engine_match"]

@@ -1,0 +1,218 @@
+"""What the GRPO and PPO trainers share: starting the rollout worker, generating and scoring a step on rank 0, the weight sync (local or colocated ipc), metric names, and the command-line run."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainers.cli import parse_config, to_dict
+from trainers.config import ModelConfig, RolloutConfig
+from trainers.logging import MetricsLogger
+from trainers.rollouts import RolloutBatch, generate_rollouts
+from weight_transfer import trainer_init
+from weight_transfer.clients import LocalWeightSyncClient
+from weight_transfer.ipc import IPCTrainerInitInfo
+from weight_transfer.local import LocalTrainerInitInfo
+from weight_transfer.packing import ALIGN
+
+# batched reward: (completions, per-sample items) -> one float per completion
+RewardFn = Callable[[list[str], list[Any]], Sequence[float]]
+LogFn = Callable[[dict[str, float], int], None]
+# (name, values, step): records a distribution, e.g. MetricsLogger.log_histogram
+HistogramFn = Callable[[str, Sequence[float], int], None]
+
+# The losses' metric names -> the names in trainers.logging.METRICS.
+_LOSS_METRIC_NAMES = {"mismatch_abs": "mismatch/abs", "mismatch_kl": "mismatch/kl"}
+_IPC_MAX_BUFFER_BYTES = 512 << 20
+
+
+def single_reward(fn: Callable[[str, Any], float]) -> RewardFn:
+    """Adapts a per-sample reward `fn(completion, item) -> float` to the batched form the trainers call."""
+
+    def batched(completions: list[str], items: list[Any]) -> list[float]:
+        return [float(fn(c, item)) for c, item in zip(completions, items)]
+
+    return batched
+
+
+def prompt_of(item: Any) -> Any:
+    """An item's prompt: its `.prompt` attribute (task problems) or the item itself (a string or token-id dict)."""
+    return getattr(item, "prompt", item)
+
+
+def start_worker(model: ModelConfig, rollout: RolloutConfig):
+    """A RolloutWorker on the policy checkpoint whose logprobs are those of the distribution it samples from."""
+    from rollout import RolloutWorker
+
+    return RolloutWorker(
+        model=model.path,
+        multiprocess=rollout.multiprocess,
+        device=model.device,
+        dtype="bfloat16" if model.param_dtype == "bfloat16" else "float32",
+        max_model_len=rollout.max_model_len,
+        seed=rollout.seed,
+        logprobs_mode="processed_logprobs",  # after temperature, as the trainer recomputes them
+    )
+
+
+def check_worker_logprobs(worker, temperature: float) -> None:
+    """ValueError if `worker` reports logprobs that ignore the sampling temperature the trainer scores at."""
+    mode = getattr(getattr(getattr(worker, "config", None), "model", None), "logprobs_mode", None)
+    if mode == "raw_logprobs" and temperature != 1.0:
+        raise ValueError(
+            f"worker: logprobs_mode 'raw_logprobs' ignores rollout.temperature={temperature}; "
+            "start the worker with logprobs_mode='processed_logprobs'"
+        )
+
+
+def score(reward_fn: RewardFn, batch: RolloutBatch, items: Sequence[Any]) -> torch.Tensor:
+    """Rewards [B] of the batch's completions, each against the item its prompt came from."""
+    rewards = torch.as_tensor(list(reward_fn(batch.completions, [items[i] for i in batch.prompt_ids])),
+                              dtype=torch.float32)
+    if rewards.shape != (batch.num_samples,):
+        raise ValueError(f"reward_fn: returned {rewards.numel()} rewards for {batch.num_samples} completions")
+    return rewards
+
+
+def generate_and_score(worker, items: Sequence[Any], reward_fn: RewardFn, rollout: RolloutConfig,
+                       seed: int) -> tuple[RolloutBatch, torch.Tensor, dict[str, float]]:
+    """n samples of each item's prompt and their rewards, with time/generate, time/reward and tokens_per_s."""
+    start = time.perf_counter()
+    batch = generate_rollouts(
+        worker,
+        [prompt_of(item) for item in items],
+        n=rollout.num_samples_per_prompt,
+        temperature=rollout.temperature,
+        max_tokens=rollout.max_tokens,
+        seed=seed,
+    )
+    generated = time.perf_counter()
+    rewards = score(reward_fn, batch, items)
+    metrics = {
+        "time/generate": generated - start,
+        "time/reward": time.perf_counter() - generated,
+        "tokens_per_s": float(batch.response_mask.sum()) / max(generated - start, 1e-9),
+    }
+    return batch, rewards, metrics
+
+
+def step_seed(rollout: RolloutConfig, step_count: int) -> int:
+    """The base sampling seed of the step after `step_count`: fresh samples every step, repeatable runs."""
+    return rollout.seed + step_count * 1_000_003
+
+
+def broadcast_from_rank0(payload: Any, world_size: int) -> Any:
+    """Rank 0's `payload` on every rank (other ranks pass anything)."""
+    box = [payload]
+    if world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def reward_metrics(rewards: torch.Tensor, batch: RolloutBatch) -> dict[str, float]:
+    """reward/mean, reward/std, accuracy (fraction of samples with reward 1: what an exact-match verifier accepts) and response length."""
+    return {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "accuracy": float((rewards == 1.0).float().mean()),
+        "response_len_mean": float(batch.response_mask.sum(-1).mean()),
+    }
+
+
+def rename_loss_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The losses' metrics under trainers.logging.METRICS names (mismatch_abs -> mismatch/abs, ...)."""
+    return {_LOSS_METRIC_NAMES.get(k, k): v for k, v in metrics.items()}
+
+
+def items_for_step(problems: Sequence[Any], step: int, num_prompts: int) -> list[Any]:
+    """The num_prompts problems of 1-based `step`, cycling through `problems` in order."""
+    return [problems[((step - 1) * num_prompts + i) % len(problems)] for i in range(num_prompts)]
+
+
+# ---- weight sync -----------------------------------------------------------------------------
+
+
+def make_weight_sync(rollout: RolloutConfig, worker, source, rank: int):
+    """The trainer side of the weight sync into `worker` (rank 0's; None elsewhere).
+
+    Colocated: the ipc backend, whose buffers live on the trainer's device (shared memory on
+    CPU, CUDA IPC on GPU) and are freed after each sync, since between syncs the device belongs
+    to training. Otherwise the in-process local backend.
+    """
+    client = LocalWeightSyncClient(worker) if rank == 0 else None
+    if rollout.colocate:
+        total = sum(p.numel() * p.element_size() for p in source.module.parameters()) if hasattr(source, "module") else 0
+        size = max(ALIGN, min(_IPC_MAX_BUFFER_BYTES, -(-total // ALIGN) * ALIGN)) if total else _IPC_MAX_BUFFER_BYTES
+        info = IPCTrainerInitInfo(packed_buffer_size_bytes=size, keep_buffers=False)
+    else:
+        info = LocalTrainerInitInfo(encoding="tensors")
+    return trainer_init(info, client=client, source=source)
+
+
+@contextmanager
+def worker_asleep(worker, enabled: bool):
+    """Colocated training: the worker sleeps (KV cache freed, weights offloaded) inside the block and wakes after it."""
+    if not enabled or worker is None:
+        yield
+        return
+    worker.sleep(1)
+    try:
+        yield
+    finally:
+        worker.wake_up()
+
+
+# ---- the command-line run --------------------------------------------------------------------
+
+
+def run_main(config_cls: type, trainer_cls: type, argv: Sequence[str] | None, prog: str) -> dict[str, Any]:
+    """`python -m trainers.<algo>`: train on config.task, log every step through a MetricsLogger, evaluate held-out
+    accuracy before and after, plot the reward curve, save the policy and summary.json; returns the summary."""
+    config = parse_config(config_cls, argv, prog=prog)
+    task = importlib.import_module(config.task.module)
+    problems = task.make_problems(config.task.num_train_problems, config.seed, "train")
+    eval_problems = (
+        task.make_problems(config.task.num_eval_problems, config.seed, "eval")
+        if config.task.num_eval_problems and hasattr(task, "evaluate")
+        else []
+    )
+    summary: dict[str, Any] = {}
+    rank = int(os.environ.get("RANK", "0"))
+    with MetricsLogger(config.logging, to_dict(config), rank=rank, num_steps=config.num_steps) as logger:
+        with trainer_cls(config, reward_fn=task.batched_reward, log=logger.log,
+                         log_histogram=logger.log_histogram) as trainer:
+            if trainer.rank == 0 and eval_problems:
+                summary["accuracy_before"] = float(task.evaluate(trainer.worker, eval_problems))
+                print(f"held-out accuracy before: {summary['accuracy_before']:.3f}", flush=True)
+            history = trainer.train(problems)
+            if trainer.rank == 0 and eval_problems:
+                summary["accuracy_after"] = float(task.evaluate(trainer.worker, eval_problems))
+                print(f"held-out accuracy after: {summary['accuracy_after']:.3f}", flush=True)
+            if config.logging.save_final:
+                trainer.policy.save(os.path.join(config.logging.output_dir, "final"))
+            if trainer.rank == 0:
+                if history:
+                    summary["reward_curve"] = logger.plot_curve("reward/mean", os.path.join(logger.run_dir, "reward_curve.png"))
+                summary["history"] = [{k: v for k, v in m.items() if not isinstance(v, list)} for m in history]
+                summary["config"] = to_dict(config)
+        logger.finish(summary)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return summary
+
+
+def cli_entry(main: Callable[[], Any]) -> None:
+    """Runs `main`, turning a bad configuration (ValueError naming the field) into a one-line error and exit code 2."""
+    try:
+        main()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
