@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch; a bare `torch` would pull a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: test test-fast demo bench clean
+.PHONY: test test-fast demo generate-demo bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,12 @@ test: $(VENV)/.installed
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest tests -m "not slow"
 
+# GRPO on the committed tiny model (two-digit addition): held-out accuracy before and after,
+# runs/demo/summary.json, metrics.jsonl, a reward-curve PNG and an offline wandb run.
 demo: $(VENV)/.installed
+	$(PY) -m trainers.grpo --config examples/grpo_tiny/grpo.toml
+
+generate-demo: $(VENV)/.installed
 	$(PY) examples/offline_generate.py
 
 bench: $(VENV)/.installed

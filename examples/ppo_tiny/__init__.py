@@ -1,0 +1,1 @@
+"""PPO on the grpo_tiny addition task: see ppo.toml."""
