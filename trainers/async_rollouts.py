@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine import SamplingParams
 
 # How often a blocked take() looks at the producer's health, so a dead producer surfaces as its
 # error instead of a hang.

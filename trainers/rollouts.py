@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine import SamplingParams
 
 
 @dataclass
