@@ -1,9 +1,10 @@
-"""What the GRPO and PPO trainers share: starting the rollout worker, generating and scoring a step on rank 0, the weight sync (local or colocated ipc), metric names, and the command-line run."""
+"""What the GRPO and PPO trainers share: starting the rollout worker (in-process, Ray or HTTP), generating and scoring a step on rank 0, the weight sync (local, colocated ipc, nccl or sharded_rdt), metric names, and the command-line run."""
 
 from __future__ import annotations
 
 import importlib
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -21,7 +22,9 @@ from weight_transfer import trainer_init
 from weight_transfer.clients import LocalWeightSyncClient
 from weight_transfer.ipc import IPCTrainerInitInfo
 from weight_transfer.local import LocalTrainerInitInfo
+from weight_transfer.nccl import NCCLTrainerInitInfo
 from weight_transfer.packing import ALIGN
+from weight_transfer.sharded_rdt import ShardedRDTTrainerInitInfo
 
 # batched reward: (completions, per-sample items) -> one float per completion
 RewardFn = Callable[[list[str], list[Any]], Sequence[float]]
@@ -31,7 +34,7 @@ HistogramFn = Callable[[str, Sequence[float], int], None]
 
 # The losses' metric names -> the names in trainers.logging.METRICS.
 _LOSS_METRIC_NAMES = {"mismatch_abs": "mismatch/abs", "mismatch_kl": "mismatch/kl"}
-_IPC_MAX_BUFFER_BYTES = 512 << 20
+_MAX_PACKED_BUFFER_BYTES = 512 << 20
 
 
 def single_reward(fn: Callable[[str, Any], float]) -> RewardFn:
@@ -49,18 +52,31 @@ def prompt_of(item: Any) -> Any:
 
 
 def start_worker(model: ModelConfig, rollout: RolloutConfig):
-    """A RolloutWorker on the policy checkpoint whose logprobs are those of the distribution it samples from."""
+    """The rollout worker of rollout.engine on the policy checkpoint, whose logprobs are those of the distribution it samples from.
+
+    inprocess: a RolloutWorker; ray: a RolloutWorker Ray actor (trainers.engines.RayRolloutEngine);
+    http: the server at rollout.server_url (trainers.engines.HTTPRolloutEngine), which must serve
+    the same checkpoint and was launched with --logprobs-mode processed_logprobs.
+    """
+    if rollout.engine == "http":
+        from trainers.engines import HTTPRolloutEngine
+
+        return HTTPRolloutEngine(rollout.server_url, model.path)
+    worker_args = {
+        "multiprocess": rollout.multiprocess,
+        "device": model.device,
+        "dtype": "bfloat16" if model.param_dtype == "bfloat16" else "float32",
+        "max_model_len": rollout.max_model_len,
+        "seed": rollout.seed,
+        "logprobs_mode": "processed_logprobs",  # after temperature, as the trainer recomputes them
+    }
+    if rollout.engine == "ray":
+        from trainers.engines import RayRolloutEngine
+
+        return RayRolloutEngine.start(model.path, num_gpus=1.0 if model.device == "cuda" else 0.0, **worker_args)
     from rollout import RolloutWorker
 
-    return RolloutWorker(
-        model=model.path,
-        multiprocess=rollout.multiprocess,
-        device=model.device,
-        dtype="bfloat16" if model.param_dtype == "bfloat16" else "float32",
-        max_model_len=rollout.max_model_len,
-        seed=rollout.seed,
-        logprobs_mode="processed_logprobs",  # after temperature, as the trainer recomputes them
-    )
+    return RolloutWorker(model=model.path, **worker_args)
 
 
 def check_worker_logprobs(worker, temperature: float) -> None:
@@ -140,20 +156,62 @@ def items_for_step(problems: Sequence[Any], step: int, num_prompts: int) -> list
 # ---- weight sync -----------------------------------------------------------------------------
 
 
-def make_weight_sync(rollout: RolloutConfig, worker, source, rank: int):
-    """The trainer side of the weight sync into `worker` (rank 0's; None elsewhere).
+def _packed_buffer_bytes(source) -> int:
+    """A packed-transfer buffer as large as the model (at most _MAX_PACKED_BUFFER_BYTES): small models get small buffers."""
+    total = sum(p.numel() * p.element_size() for p in source.module.parameters()) if hasattr(source, "module") else 0
+    return max(ALIGN, min(_MAX_PACKED_BUFFER_BYTES, -(-total // ALIGN) * ALIGN)) if total else _MAX_PACKED_BUFFER_BYTES
 
-    Colocated: the ipc backend, whose buffers live on the trainer's device (shared memory on
-    CPU, CUDA IPC on GPU) and are freed after each sync, since between syncs the device belongs
-    to training. Otherwise the in-process local backend.
+
+def _sync_client(worker):
+    """The weight_transfer client that reaches `worker`: its own (Ray or HTTP adapters) or an in-process one."""
+    make_client = getattr(worker, "weight_sync_client", None)
+    return make_client() if callable(make_client) else LocalWeightSyncClient(worker)
+
+
+def _address_towards(rollout: RolloutConfig) -> str:
+    """This host's address as the engine's workers can reach it (they join the trainer's nccl group)."""
+    if rollout.engine == "http":
+        from urllib.parse import urlsplit
+
+        host = urlsplit(rollout.server_url).hostname or "127.0.0.1"
+        if host in ("localhost", "127.0.0.1", "::1"):
+            return "127.0.0.1"
+        # The source address of a route to the server (a UDP connect sends nothing).
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    if rollout.engine == "ray":
+        import ray
+
+        return ray.util.get_node_ip_address()
+    return "127.0.0.1"
+
+
+def make_weight_sync(rollout: RolloutConfig, worker, source, rank: int):
+    """The trainer side of the weight sync into `worker` (rank 0's; None elsewhere), by rollout.weight_sync_backend.
+
+    ipc (colocated): buffers live on the trainer's device (shared memory on CPU, CUDA IPC on GPU)
+    and are freed after each sync, since between syncs the device belongs to training. local:
+    tensors handed to an in-process worker. nccl: rank 0 broadcasts to the engine's workers, which
+    join a group at this host's address (a free port, 1 sender + the engine's world size).
+    sharded_rdt: every rank publishes into its own Ray producer actor and the engines pull.
     """
-    client = LocalWeightSyncClient(worker) if rank == 0 else None
-    if rollout.colocate:
-        total = sum(p.numel() * p.element_size() for p in source.module.parameters()) if hasattr(source, "module") else 0
-        size = max(ALIGN, min(_IPC_MAX_BUFFER_BYTES, -(-total // ALIGN) * ALIGN)) if total else _IPC_MAX_BUFFER_BYTES
-        info = IPCTrainerInitInfo(packed_buffer_size_bytes=size, keep_buffers=False)
-    else:
+    backend = rollout.weight_sync_backend
+    client = _sync_client(worker) if rank == 0 else None
+    if backend == "ipc":
+        info = IPCTrainerInitInfo(packed_buffer_size_bytes=_packed_buffer_bytes(source), keep_buffers=False)
+    elif backend == "local":
         info = LocalTrainerInitInfo(encoding="tensors")
+    elif backend == "nccl":
+        # Every rank builds the same init info; only rank 0 can ask the engine its size.
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        address, num_engine_workers = broadcast_from_rank0(
+            (_address_towards(rollout), client.get_world_size()) if rank == 0 else None, world_size
+        )
+        info = NCCLTrainerInitInfo(master_address=address, master_port=0, world_size=1 + num_engine_workers,
+                                   packed_buffer_size_bytes=_packed_buffer_bytes(source))
+    else:  # sharded_rdt
+        info = ShardedRDTTrainerInitInfo()
     return trainer_init(info, client=client, source=source)
 
 

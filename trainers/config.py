@@ -16,6 +16,8 @@ MismatchMode = Literal["tis", "mask", "none"]
 StalePolicy = Literal["drop", "downweight"]
 ParamDtype = Literal["float32", "bfloat16"]
 Device = Literal["cpu", "cuda"]
+EngineKind = Literal["inprocess", "ray", "http"]
+WeightSync = Literal["auto", "local", "ipc", "nccl", "sharded_rdt"]
 
 
 def check_choice(name: str, value, allowed) -> None:
@@ -81,6 +83,12 @@ class RolloutConfig:
     """Async mode: steps' worth of groups the producer may submit beyond the served weights; none: max_staleness + 1 (the most that stays within the bound when groups finish in order)."""
     colocate: bool = False
     """Share the device with the engine: weights sync through the ipc backend (shared memory on CPU, CUDA IPC on GPU) and the worker sleeps while the trainer trains."""
+    engine: EngineKind = "inprocess"
+    """Where the rollout engine runs: inprocess (a RolloutWorker here), ray (a RolloutWorker Ray actor) or http (a `rollout launch --enable-rl-routes` server at server_url)."""
+    server_url: str | None = None
+    """engine=http: base URL of the server, started with `rollout launch --enable-rl-routes --logprobs-mode processed_logprobs`."""
+    weight_sync: WeightSync = "auto"
+    """Weight-sync backend: auto (ipc when colocate, local for inprocess, nccl for http, sharded_rdt for ray), local, ipc, nccl or sharded_rdt."""
 
     def __post_init__(self) -> None:
         check_range("rollout.num_prompts_per_step", self.num_prompts_per_step, 1)
@@ -100,6 +108,33 @@ class RolloutConfig:
         if self.colocate and self.async_mode:
             # a sleeping engine cannot keep generating while the trainer trains
             raise ValueError("rollout.colocate: the worker sleeps during training, so it cannot run with rollout.async_mode")
+        check_choice("rollout.engine", self.engine, EngineKind)
+        check_choice("rollout.weight_sync", self.weight_sync, WeightSync)
+        if self.engine == "http":
+            if not self.server_url or not self.server_url.startswith(("http://", "https://")):
+                raise ValueError(f"rollout.server_url: engine=http needs the server's http(s):// URL, got {self.server_url!r}")
+        elif self.server_url is not None:
+            raise ValueError(f"rollout.server_url: only used with engine=http, got engine={self.engine!r}")
+        if self.colocate and self.engine != "inprocess":
+            raise ValueError(f"rollout.colocate: needs the engine in this process (engine=inprocess), got {self.engine!r}")
+        # local and ipc hand tensors (or shared-memory handles) to a worker object in this process
+        if self.weight_sync in ("local", "ipc") and self.engine != "inprocess":
+            raise ValueError(
+                f"rollout.weight_sync: {self.weight_sync!r} needs engine=inprocess, got {self.engine!r}; use nccl or sharded_rdt"
+            )
+        if self.colocate and self.weight_sync not in ("auto", "ipc"):
+            raise ValueError(f"rollout.weight_sync: colocate shares the device through ipc, got {self.weight_sync!r}")
+        if self.engine == "http" and self.multiprocess:
+            raise ValueError("rollout.multiprocess: the server's own launch flags decide its processes with engine=http")
+
+    @property
+    def weight_sync_backend(self) -> str:
+        """The weight-sync backend in use: weight_sync, or auto's choice for the engine and colocate settings."""
+        if self.weight_sync != "auto":
+            return self.weight_sync
+        if self.colocate:
+            return "ipc"
+        return {"inprocess": "local", "http": "nccl", "ray": "sharded_rdt"}[self.engine]
 
     @property
     def lookahead_steps(self) -> int:
