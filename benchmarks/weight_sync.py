@@ -135,7 +135,8 @@ class Engine:
         if not os.path.exists(os.path.join(path, "model.safetensors")):
             engine_args["load_format"] = "dummy"
         if args.device == "cuda":
-            engine_args.update(gpu_memory_utilization=args.gpu_memory_utilization, dtype="bfloat16")
+            # No CUDA graph capture: weights are updated in place either way, and start-up is shorter.
+            engine_args.update(gpu_memory_utilization=args.gpu_memory_utilization, dtype="bfloat16", enforce_eager=True)
         else:
             engine_args.update(dtype="float32", num_gpu_blocks_override=64)
         self.ray_actor = ray_actor

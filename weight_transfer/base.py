@@ -53,6 +53,11 @@ class WeightUpdateInfo:
 class WeightTransferEngine(ABC):
     """Engine side of one transfer backend, owned by a worker for the device it serves."""
 
+    # True when every tensor receive_weights yields stays valid until the update_weights call
+    # returns (one buffer per call, refilled only after the call): the worker may then collect a
+    # call's tensors and land them together, one finite check and one multi-tensor copy.
+    views_stable_per_call: ClassVar[bool] = False
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
 

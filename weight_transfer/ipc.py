@@ -405,6 +405,8 @@ _UPDATE_FIELDS = {"names", "dtypes", "shapes", "buffer_size", "slot", "seq", "bu
 class IPCWeightTransferEngine(WeightTransferEngine):
     """Receives packs from buffers the trainer shares on this worker's device; opens each buffer once."""
 
+    views_stable_per_call = True  # one pack per call; the trainer refills it only after the call returned
+
     def __init__(self, device: torch.device) -> None:
         super().__init__(torch.device(device))
         self.key = device_key(self.device)

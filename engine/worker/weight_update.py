@@ -153,6 +153,8 @@ class WeightUpdater:
         self._require_resident("update_weights")
         info = engine.parse_update_info(update_info)
         self._validate(list(zip(info.names, info.dtypes, info.shapes)))  # before anything moves
+        if engine.views_stable_per_call and self.rollback != "none":
+            return self._update_together(engine, info)
         first_saved_here: list[str] = []  # rollback copies this call made (restored if it fails)
         resaved: dict[str, torch.Tensor] = {}  # call-start values of weights an earlier call changed
         # NaN/inf checks are queued on the device and read once per call (one host sync, not one per tensor).
@@ -185,6 +187,68 @@ class WeightUpdater:
                         "and the engine serves nothing until an update finishes")
             ) from e
         return count
+
+    def _update_together(self, engine: WeightTransferEngine, info) -> int:
+        """update_weights for backends whose tensors stay valid for the whole call: receive them all,
+        check them all (one finite check, one host sync), then land them with one multi-tensor copy.
+
+        Per-tensor Python and kernel launches dominate small models' syncs; this path has a few
+        per call. Tensors whose dtype differs from their parameter's go through the loaders.
+        """
+        name = None
+        try:
+            received = []
+            for name, item in engine.receive_weights(info):
+                received.append((name, item))
+        except ValueError as e:
+            raise ValueError(f"weight update rejected, no weight was changed: {e}") from None
+        except Exception as e:  # the transfer failed: undo the whole update and end it
+            where = f" at {name!r}" if name is not None else " before the first tensor arrived"
+            self._abort()
+            raise WeightTransferError(
+                f"update_weights: the transfer failed{where}: {type(e).__name__}: {e}; "
+                "the update was aborted and the previous weights restored"
+            ) from e
+        dense = [(n, t) for n, t in received if not isinstance(t, SparseWeightPatch)]
+        try:
+            for n, t in received:
+                if isinstance(t, SparseWeightPatch):
+                    self._check_received(n, t, [])
+                else:
+                    self._check_metadata(n, t)
+            floats = [(n, t) for n, t in dense if t.dtype.is_floating_point and t.numel()]
+            if floats:
+                # The max-abs norm is NaN or inf exactly when a tensor holds one: one kernel per group, one sync.
+                norms = torch._foreach_norm([t for _, t in floats], float("inf"))
+                _raise_if_not_finite([(n, torch.isfinite(v)) for (n, _), v in zip(floats, norms)])
+        except ValueError as e:  # nothing has landed yet
+            raise ValueError(f"weight update rejected, no weight was changed: {e}") from None
+        dsts, srcs, rest = [], [], []
+        for n, t in received:
+            target = self._landing_name(n)
+            if target is None:
+                continue
+            if target not in self._saved:
+                self._save(target)
+            dst = self.layout[target].tensor()
+            if isinstance(t, SparseWeightPatch) or t.dtype != dst.dtype or t.device.type != dst.device.type:
+                rest.append((target, t))
+            else:
+                dsts.append(dst)
+                srcs.append(t.view(dst.shape))
+        with torch.no_grad():
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
+            for target, t in rest:
+                self._land(target, t)
+            if srcs and srcs[0].is_cuda:  # the backend's buffer is reused once this call returns
+                torch.cuda.current_stream(srcs[0].device).synchronize()
+        return len(received)
+
+    def _check_metadata(self, name: str, tensor: torch.Tensor) -> None:
+        problems = self._problems(name, tensor.dtype, tuple(tensor.shape))
+        if problems:
+            raise ValueError("; ".join(problems))
 
     def finish_update(self) -> None:
         engine = self._require_engine("finish_weight_update")

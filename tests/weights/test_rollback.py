@@ -48,7 +48,15 @@ class ScriptedBackend(WeightTransferEngine):
         self.aborted += 1
 
 
+class ScriptedTogetherBackend(ScriptedBackend):
+    """The same, declaring its tensors valid for the whole call: the worker lands a call's tensors together."""
+
+    views_stable_per_call = True
+
+
 register_engine_backend("scripted", ScriptedBackend)
+register_engine_backend("scripted-together", ScriptedTogetherBackend)
+BACKENDS = pytest.mark.parametrize("backend", ["scripted", "scripted-together"])
 
 
 def _llm(path, **kwargs) -> LLM:
@@ -65,8 +73,9 @@ def old_new(checkpoints):
     return old, hf_greedy(hf_model(old)), read_state(new)
 
 
+@BACKENDS
 @pytest.mark.parametrize("rollback", ["device", "cpu"])
-def test_failed_transfer_restores_every_weight_of_the_update_and_ends_it(old_new, rollback):
+def test_failed_transfer_restores_every_weight_of_the_update_and_ends_it(old_new, rollback, backend):
     path, old_expected, new_state = old_new
     llm = _llm(path, weight_update_rollback=rollback)
     core = llm.engine_core
@@ -74,7 +83,7 @@ def test_failed_transfer_restores_every_weight_of_the_update_and_ends_it(old_new
     names = sorted(new_state)
     _DELIVERIES.clear()
     _DELIVERIES.update(new_state)
-    core.init_weight_transfer_engine({"backend": "scripted"})
+    core.init_weight_transfer_engine({"backend": backend})
     core.start_weight_update()
     assert core.update_weights({"names": names[:6]}) == 6  # lands
     with pytest.raises(WeightTransferError, match=rf"failed at {names[8]!r}: ConnectionError: peer closed.*previous weights restored"):
@@ -148,7 +157,8 @@ def test_failed_transfer_without_rollback_holds_the_engine_until_an_update_finis
     assert core.weight_checker(hf_state_checksums(new_state))["match"]
 
 
-def test_sparse_patches_land_like_the_dense_tensor_they_describe(old_new):
+@BACKENDS
+def test_sparse_patches_land_like_the_dense_tensor_they_describe(old_new, backend):
     """Patches of fused (q/k/v, gate/up) and tied-free tensors end bit-identical to a dense update."""
     path, _, new_state = old_new
     dense_llm, sparse_llm = _llm(path), _llm(path)
@@ -165,7 +175,7 @@ def test_sparse_patches_land_like_the_dense_tensor_they_describe(old_new):
         _DELIVERIES[name] = SparseWeightPatch(name, idx, values, tuple(old_state[name].shape))
     for llm, info in ((dense_llm, make_update_info(patched.items())), (sparse_llm, {"names": sorted(patched)})):
         core = llm.engine_core
-        core.init_weight_transfer_engine({"backend": "local" if llm is dense_llm else "scripted"})
+        core.init_weight_transfer_engine({"backend": "local" if llm is dense_llm else backend})
         core.start_weight_update()
         core.update_weights(info)
         core.finish_weight_update()
@@ -184,7 +194,8 @@ def test_sparse_patches_land_like_the_dense_tensor_they_describe(old_new):
         (lambda s: SparseWeightPatch("model.norm.weight", torch.tensor([1], dtype=torch.int32), torch.ones(1), (65,)), r"shape \[65\] does not match"),
     ],
 )
-def test_bad_patches_are_refused_naming_the_tensor_and_change_nothing(old_new, patch, message):
+@BACKENDS
+def test_bad_patches_are_refused_naming_the_tensor_and_change_nothing(old_new, patch, message, backend):
     path, _, new_state = old_new
     llm = _llm(path)
     core = llm.engine_core
@@ -192,9 +203,31 @@ def test_bad_patches_are_refused_naming_the_tensor_and_change_nothing(old_new, p
     _DELIVERIES.clear()
     _DELIVERIES["model.layers.0.mlp.up_proj.weight"] = new_state["model.layers.0.mlp.up_proj.weight"]
     _DELIVERIES["model.norm.weight"] = patch(new_state)
-    core.init_weight_transfer_engine({"backend": "scripted"})
+    core.init_weight_transfer_engine({"backend": backend})
     core.start_weight_update()
     with pytest.raises(ValueError, match=rf"no weight was changed.*model\.norm\.weight.*{message}"):
         core.update_weights({"names": ["model.layers.0.mlp.up_proj.weight", "model.norm.weight"]})
     assert core.weight_checker()["checksums"] == before  # the good tensor of the call was undone too
     core.finish_weight_update()
+
+
+@BACKENDS
+def test_a_nan_in_a_later_tensor_changes_nothing_of_its_call(old_new, backend):
+    path, _, new_state = old_new
+    llm = _llm(path)
+    core = llm.engine_core
+    before = core.weight_checker()["checksums"]
+    names = sorted(new_state)[:5]
+    _DELIVERIES.clear()
+    _DELIVERIES.update({n: new_state[n] for n in names})
+    _DELIVERIES[names[3]] = new_state[names[3]].clone().index_fill_(0, torch.tensor([1]), float("nan"))
+    core.init_weight_transfer_engine({"backend": backend})
+    core.start_weight_update()
+    with pytest.raises(ValueError, match=rf"no weight was changed: {names[3]!r}: contains NaN or inf"):
+        core.update_weights({"names": names})
+    assert core.weight_checker()["checksums"] == before
+    _DELIVERIES[names[3]] = new_state[names[3]].to(torch.float64)  # another dtype: lands through the loaders
+    assert core.update_weights({"names": names}) == 5
+    core.finish_weight_update()
+    landed = core.weight_checker(hf_state_checksums({n: new_state[n] for n in names}))
+    assert not landed["mismatches"]
