@@ -48,8 +48,6 @@ def _params_list(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
 
 def completion_body(model_name: str, prompt: Any, params: SamplingParams) -> dict:
     """The /v1/completions body of one prompt (text, token ids or {"prompt_token_ids": [...]}) under `params`."""
-    if params.prompt_logprobs is not None:
-        raise ValueError("sampling_params.prompt_logprobs: not supported by the HTTP rollout engine")
     if isinstance(prompt, dict):
         if "prompt_token_ids" not in prompt:
             raise ValueError(f"prompt: a dict prompt needs prompt_token_ids, got keys {sorted(prompt)}")
@@ -95,8 +93,24 @@ def request_output(body: dict, prompt: Any):
         ))
     return RequestOutput(
         request_id=body["id"], prompt=prompt if isinstance(prompt, str) else None,
-        prompt_token_ids=list(choices[0]["prompt_token_ids"]), prompt_logprobs=None, outputs=outputs, finished=True,
+        prompt_token_ids=list(choices[0]["prompt_token_ids"]),
+        prompt_logprobs=_prompt_logprobs(choices[0].get("prompt_logprobs")), outputs=outputs, finished=True,
     )
+
+
+def _prompt_logprobs(positions: list | None):
+    """The server's prompt_logprobs JSON ({token id as text: {logprob, rank, decoded_token}} per position) as Logprobs."""
+    from engine.outputs import Logprob
+
+    if positions is None:
+        return None
+    return [
+        None if position is None else {
+            int(tid): Logprob(logprob=lp["logprob"], rank=lp.get("rank"), decoded_token=lp.get("decoded_token"))
+            for tid, lp in position.items()
+        }
+        for position in positions
+    ]
 
 
 def _check(response, path: str) -> dict:

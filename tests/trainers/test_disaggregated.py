@@ -71,8 +71,7 @@ def test_completion_body_carries_the_sampling_params_and_token_prompts():
     assert body["stop_token_ids"] == [2] and body["logit_bias"] == {"5": -1.0}  # JSON keys are strings
     assert "output_kind" not in body and "detokenize" not in body
     assert completion_body("m", "text", SamplingParams())["prompt"] == "text"
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        completion_body("m", "text", SamplingParams(prompt_logprobs=1))
+    assert completion_body("m", "text", SamplingParams(prompt_logprobs=1))["prompt_logprobs"] == 1
     with pytest.raises(ValueError, match="prompt"):
         completion_body("m", {"text": "x"}, SamplingParams())
 
@@ -92,8 +91,15 @@ def test_request_output_rebuilds_tokens_logprobs_and_versions_in_sample_order():
     assert first.token_ids == [4, 5] and [pos[t].logprob for pos, t in zip(first.logprobs, first.token_ids)] == [-1.0, -2.0]
     assert first.cumulative_logprob == -3.0
     assert first.weight_versions == [("v0", 0, 1), ("v1", 1, 2)]
+    assert out.prompt_logprobs is None
     with pytest.raises(ValueError, match="return_token_ids"):
         request_output({"id": "x", "choices": [{"index": 0, "text": "", "token_ids": None}]}, "p")
+    # Prompt logprobs come keyed by token id as text; they become Logprobs keyed by int.
+    with_prompt = choice(0, [4], [-1.0], [])
+    with_prompt["prompt_logprobs"] = [None, {"8": {"logprob": -0.25, "rank": 1, "decoded_token": "b"}}]
+    out = request_output({"id": "cmpl-2", "choices": [with_prompt]}, [7, 8])
+    assert out.prompt_logprobs[0] is None
+    assert out.prompt_logprobs[1][8].logprob == -0.25 and out.prompt_logprobs[1][8].rank == 1
 
 
 # ---- end to end ---------------------------------------------------------------------------------
@@ -149,6 +155,9 @@ def test_grpo_against_a_rollout_server_over_http_with_nccl_sync(process_group, l
         assert isinstance(trainer.worker, HTTPRolloutEngine)
         assert trainer.sync.backend == "nccl"  # auto's choice for http
         check_two_steps_then_engine_serves_trainer_weights(trainer, prompts)
+        scored = trainer.worker.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1, prompt_logprobs=0))
+        assert scored[0].prompt_logprobs[0] is None and len(scored[0].prompt_logprobs) == 3
+        assert scored[0].prompt_logprobs[2][7].logprob <= 0.0  # the prompt token's own logprob, by id
     # The server itself, asked directly, serves step-2 and keeps serving after the trainer is gone.
     assert httpx.get(server.url + "/weight_info").json()["weight_version"] == "step-2"
     r = httpx.post(server.url + "/v1/completions", json={"model": server.served_model, "prompt": "Hi", "max_tokens": 2},
