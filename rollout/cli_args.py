@@ -15,7 +15,16 @@ from typing import Any, Literal, Union
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """Each field's attribute docstring (the string literal right below `name: type = ...`)."""
+    """Each field's attribute docstring (the string literal right below `name: type = ...`),
+    inherited ones included: a dataclass base's docs first, a subclass's own override them."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is not object and dataclasses.is_dataclass(klass):
+            docs.update(_own_field_docs(klass))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     class_def = next(node for node in tree.body if isinstance(node, ast.ClassDef))
     docs: dict[str, str] = {}

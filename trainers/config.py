@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from trainers.logging import ConsoleMode, WandbMode, check_metrics_config
+from trainers.logging import MetricsConfig
 
 LossName = Literal["grpo", "dr_grpo", "dapo"]
 AdvantageScale = Literal["group", "batch", "none"]
@@ -234,8 +234,8 @@ class OptimConfig:
 
 
 @dataclass
-class LoggingConfig:
-    """Where a run writes its outputs (run directory, wandb run, console) and how often."""
+class LoggingConfig(MetricsConfig):
+    """Where a run writes its outputs (run directory, wandb run, console: trainers.logging's fields) and how often."""
 
     output_dir: str = "runs/train"
     """Run directory: metrics.jsonl, summary.json, the reward curve, wandb/ and checkpoints go here."""
@@ -245,21 +245,9 @@ class LoggingConfig:
     """Save an HF checkpoint every this many steps (0: only at the end)."""
     save_final: bool = True
     """Save an HF checkpoint (loadable by `rollout launch`) to output_dir/final when training ends."""
-    wandb_mode: WandbMode = "offline"
-    """wandb run mode: offline (files only, never the network; `wandb sync` uploads later), online, or disabled."""
-    wandb_project: str = "rollout-toolkit"
-    """wandb project name."""
-    wandb_name: str | None = None
-    """wandb run name; none: the run directory's base name."""
-    wandb_tags: str = ""
-    """Comma-separated wandb tags."""
-    wandb_system_metrics: bool = False
-    """Let wandb sample CPU/GPU/memory and machine info (it may probe cloud metadata endpoints; off keeps offline runs local)."""
-    console: ConsoleMode = "auto"
-    """Console progress: auto (a tqdm bar on a TTY, else one line per step), bar, lines, or off."""
 
     def __post_init__(self) -> None:
-        check_metrics_config(self, prefix="logging.")
+        super().__post_init__()
         check_range("logging.log_every", self.log_every, 1)
         check_range("logging.save_every", self.save_every, 0)
 
