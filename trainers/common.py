@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from abc import ABC, abstractmethod
 import socket
 import sys
 import time
@@ -274,3 +275,71 @@ def cli_entry(main: Callable[[], Any]) -> None:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+class RolloutTrainer(ABC):
+    """What GRPOTrainer and PPOTrainer share: the run's config, reward and log callables, the rank,
+    the rollout worker (started on rank 0 unless given, shut down by close() if started here), the
+    weight sync of the policy into it, and the sync step loop with periodic saves.
+
+    A subclass builds its policy (and losses) after RolloutTrainer.__init__, then calls
+    _connect_worker(policy, worker); it provides step(items) and may extend train() and close().
+    """
+
+    def __init__(self, config, reward_fn: RewardFn, *, log: LogFn | None, log_histogram: HistogramFn | None) -> None:
+        from trainers.policy import init_distributed
+
+        self.config = config
+        self.reward_fn = reward_fn
+        self.log = log or (lambda metrics, step: None)
+        self.log_histogram = log_histogram
+        self.rank, self.world_size = init_distributed(config.model.device)
+        torch.manual_seed(config.seed)
+        self.step_count = 0
+
+    def _connect_worker(self, policy, worker) -> None:
+        self.policy = policy
+        self._owns_worker = False
+        if self.rank == 0 and worker is None:
+            worker = start_worker(self.config.model, self.config.rollout)
+            self._owns_worker = True
+        self.worker = worker if self.rank == 0 else None
+        if self.worker is not None:
+            check_worker_logprobs(self.worker, self.config.rollout.temperature)
+        self.sync = make_weight_sync(self.config.rollout, self.worker, policy.weight_source(), self.rank)
+        self.weight_version = self.worker.get_weight_version() if self.worker is not None else None
+
+    @abstractmethod
+    def step(self, items: Sequence[Any]) -> dict[str, Any]:
+        """One training step over `items`: generate -> reward -> update -> weight sync; returns its metrics."""
+
+    def items_for_step(self, problems: Sequence[Any], step: int) -> list[Any]:
+        """The num_prompts_per_step problems of 1-based `step`, cycling through `problems` in order."""
+        return items_for_step(problems, step, self.config.rollout.num_prompts_per_step)
+
+    def train(self, problems: Sequence[Any], num_steps: int | None = None) -> list[dict[str, Any]]:
+        """Runs num_steps (default config.num_steps) steps over `problems`, saving the policy on logging.save_every."""
+        if not problems:
+            raise ValueError("problems: empty; training needs at least one prompt")
+        history = []
+        for _ in range(self.config.num_steps if num_steps is None else num_steps):
+            history.append(self.step(self.items_for_step(problems, self.step_count + 1)))
+            self._maybe_save()
+        return history
+
+    def _maybe_save(self) -> None:
+        every = self.config.logging.save_every
+        if every and self.step_count % every == 0:
+            self.policy.save(os.path.join(self.config.logging.output_dir, f"step-{self.step_count}"))
+
+    def close(self) -> None:
+        """Shuts the weight sync down (and the worker, if this trainer started it)."""
+        self.sync.shutdown()
+        if self._owns_worker and self.worker is not None:
+            self.worker.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -20,10 +20,9 @@ backend and the worker sleeps (KV cache freed, weights offloaded) during each tr
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
-from typing import Any, Self
+from typing import Any
 
 import torch
 
@@ -33,24 +32,21 @@ from trainers.common import (
     HistogramFn,
     LogFn,
     RewardFn,
+    RolloutTrainer,
     broadcast_from_rank0,
-    check_worker_logprobs,
     cli_entry,
     generate_and_score,
-    items_for_step,
-    make_weight_sync,
     rename_loss_metrics,
     reward_metrics,
     run_main,
     score,
     single_reward,  # noqa: F401 - part of this module's API
-    start_worker,
     step_seed,
     worker_asleep,
 )
 from trainers.config import AlgorithmConfig, TrainerConfig
 from trainers.losses import DAPOLoss, DrGRPOLoss, GRPOLoss, PolicyBatch, PolicyLoss
-from trainers.policy import Policy, init_distributed, mean_over_ranks
+from trainers.policy import Policy, mean_over_ranks
 from trainers.rollouts import RolloutBatch, collate
 
 _LOSSES: dict[str, type[PolicyLoss]] = {"grpo": GRPOLoss, "dr_grpo": DrGRPOLoss, "dapo": DAPOLoss}
@@ -75,7 +71,7 @@ def make_loss(algorithm: AlgorithmConfig) -> PolicyLoss:
     return loss_cls(config)
 
 
-class GRPOTrainer:
+class GRPOTrainer(RolloutTrainer):
     """One GRPO-family run (sync, or async with rollout.async_mode): the sharded policy, the loss, the rollout worker (rank 0) and the weight sync.
 
     `worker` is a RolloutWorker (rank 0 only; other ranks pass None); when None on rank 0, one
@@ -85,24 +81,9 @@ class GRPOTrainer:
 
     def __init__(self, config: TrainerConfig, reward_fn: RewardFn, *, worker=None, log: LogFn | None = None,
                  log_histogram: HistogramFn | None = None) -> None:
-        self.config = config
-        self.reward_fn = reward_fn
-        self.log = log or (lambda metrics, step: None)
-        self.log_histogram = log_histogram
-        self.rank, self.world_size = init_distributed(config.model.device)
-        torch.manual_seed(config.seed)
-        self.policy = Policy(config.model, config.optim, reference=config.algorithm.kl_coef > 0)
+        super().__init__(config, reward_fn, log=log, log_histogram=log_histogram)
         self.loss = make_loss(config.algorithm)
-        self._owns_worker = False
-        if self.rank == 0 and worker is None:
-            worker = start_worker(config.model, config.rollout)
-            self._owns_worker = True
-        self.worker = worker if self.rank == 0 else None
-        if self.worker is not None:
-            check_worker_logprobs(self.worker, config.rollout.temperature)
-        self.sync = make_weight_sync(config.rollout, self.worker, self.policy.weight_source(), self.rank)
-        self.weight_version = self.worker.get_weight_version() if self.worker is not None else None
-        self.step_count = 0
+        self._connect_worker(Policy(config.model, config.optim, reference=config.algorithm.kl_coef > 0), worker)
         # Version name -> integer version (0: the weights served before training, k: after step k);
         # staleness is measured in these. Rank 0 only (the other ranks get staleness broadcast).
         self._version_index: dict[str, int] = {} if self.weight_version is None else {self.weight_version: 0}
@@ -283,22 +264,13 @@ class GRPOTrainer:
                 self.log_histogram("staleness", metrics["staleness/values"], step)
         return metrics
 
-    def items_for_step(self, problems: Sequence[Any], step: int) -> list[Any]:
-        """The num_prompts_per_step problems of 1-based `step`, cycling through `problems` in order."""
-        return items_for_step(problems, step, self.config.rollout.num_prompts_per_step)
-
     def train(self, problems: Sequence[Any], num_steps: int | None = None) -> list[dict[str, Any]]:
         """Runs num_steps (default config.num_steps) steps over `problems`, saving on logging.save_every."""
-        if not problems:
-            raise ValueError("problems: empty; training needs at least one prompt")
-        num_steps = self.config.num_steps if num_steps is None else num_steps
         if self.config.rollout.async_mode:
-            return self._train_async(problems, num_steps)
-        history = []
-        for _ in range(num_steps):
-            history.append(self.step(self.items_for_step(problems, self.step_count + 1)))
-            self._maybe_save()
-        return history
+            if not problems:
+                raise ValueError("problems: empty; training needs at least one prompt")
+            return self._train_async(problems, self.config.num_steps if num_steps is None else num_steps)
+        return super().train(problems, num_steps)
 
     def _train_async(self, problems: Sequence[Any], num_steps: int) -> list[dict[str, Any]]:
         """num_steps steps fed by a producer that generates ahead while this thread trains; stopped at the end."""
@@ -333,25 +305,12 @@ class GRPOTrainer:
                 self.producer = None
         return history
 
-    def _maybe_save(self) -> None:
-        every = self.config.logging.save_every
-        if every and self.step_count % every == 0:
-            self.policy.save(os.path.join(self.config.logging.output_dir, f"step-{self.step_count}"))
-
     def close(self) -> None:
-        """Shuts the weight sync down (and the worker, if this trainer started it)."""
+        """Stops the async producer, then shuts the weight sync down (and the worker, if this trainer started it)."""
         if self.producer is not None:
             self.producer.close()
             self.producer = None
-        self.sync.shutdown()
-        if self._owns_worker and self.worker is not None:
-            self.worker.shutdown()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        super().close()
 
 
 # ---- command line ----------------------------------------------------------------------------

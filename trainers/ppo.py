@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,16 +26,13 @@ from trainers.common import (
     HistogramFn,
     LogFn,
     RewardFn,
+    RolloutTrainer,
     broadcast_from_rank0,
-    check_worker_logprobs,
     cli_entry,
     generate_and_score,
-    items_for_step,
-    make_weight_sync,
     rename_loss_metrics,
     reward_metrics,
     run_main,
-    start_worker,
     step_seed,
     worker_asleep,
 )
@@ -53,7 +50,7 @@ from trainers.config import (
 )
 from trainers.critic import Critic, CriticConfig, ValueModel, load_sharded_value_model  # noqa: F401 - re-exported
 from trainers.losses import PolicyBatch, PPOClipConfig, PPOClipLoss, ValueConfig, ValueLoss, kl_penalty
-from trainers.policy import Policy, init_distributed, mean_over_ranks
+from trainers.policy import Policy, mean_over_ranks
 from trainers.rollouts import RolloutBatch
 
 # ---- configuration ---------------------------------------------------------------------------
@@ -192,7 +189,7 @@ def _whiten_across_ranks(chunks: list[torch.Tensor], masks: list[torch.Tensor], 
 # ---- the trainer -----------------------------------------------------------------------------
 
 
-class PPOTrainer:
+class PPOTrainer(RolloutTrainer):
     """One synchronous PPO run: the sharded policy and critic, the losses, the rollout worker (rank 0) and the weight sync.
 
     `worker` is a RolloutWorker (rank 0 only; other ranks pass None); when None on rank 0, one is
@@ -202,14 +199,9 @@ class PPOTrainer:
 
     def __init__(self, config: PPOTrainerConfig, reward_fn: RewardFn, *, worker=None, log: LogFn | None = None,
                  log_histogram: HistogramFn | None = None) -> None:
-        self.config = config
-        self.reward_fn = reward_fn
-        self.log = log or (lambda metrics, step: None)
-        self.log_histogram = log_histogram
-        self.rank, self.world_size = init_distributed(config.model.device)
-        torch.manual_seed(config.seed)
+        super().__init__(config, reward_fn, log=log, log_histogram=log_histogram)
         algo = config.algorithm
-        self.policy = Policy(config.model, config.optim, reference=algo.kl_coef > 0)
+        policy = Policy(config.model, config.optim, reference=algo.kl_coef > 0)
         self.critic = Critic(config.model, config.critic, config.optim)
         # KL to the reference is a reward term here (it shapes the critic's targets), not a loss term.
         self.policy_loss = PPOClipLoss(PPOClipConfig(
@@ -218,16 +210,7 @@ class PPOTrainer:
             mismatch=algo.mismatch, mismatch_cap=algo.mismatch_cap,
         ))
         self.value_loss = ValueLoss(ValueConfig(clip=config.critic.value_clip, aggregation=algo.aggregation))
-        self._owns_worker = False
-        if self.rank == 0 and worker is None:
-            worker = start_worker(config.model, config.rollout)
-            self._owns_worker = True
-        self.worker = worker if self.rank == 0 else None
-        if self.worker is not None:
-            check_worker_logprobs(self.worker, config.rollout.temperature)
-        self.sync = make_weight_sync(config.rollout, self.worker, self.policy.weight_source(), self.rank)
-        self.weight_version = self.worker.get_weight_version() if self.worker is not None else None
-        self.step_count = 0
+        self._connect_worker(policy, worker)
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -353,35 +336,6 @@ class PPOTrainer:
             if self.log_histogram is not None:
                 self.log_histogram("staleness", staleness, step)
         return metrics
-
-    def items_for_step(self, problems: Sequence[Any], step: int) -> list[Any]:
-        """The num_prompts_per_step problems of 1-based `step`, cycling through `problems` in order."""
-        return items_for_step(problems, step, self.config.rollout.num_prompts_per_step)
-
-    def train(self, problems: Sequence[Any], num_steps: int | None = None) -> list[dict[str, float]]:
-        """Runs num_steps (default config.num_steps) steps over `problems`, saving the policy on logging.save_every."""
-        if not problems:
-            raise ValueError("problems: empty; training needs at least one prompt")
-        history = []
-        for _ in range(self.config.num_steps if num_steps is None else num_steps):
-            history.append(self.step(self.items_for_step(problems, self.step_count + 1)))
-            every = self.config.logging.save_every
-            if every and self.step_count % every == 0:
-                self.policy.save(f"{self.config.logging.output_dir}/step-{self.step_count}")
-        return history
-
-    def close(self) -> None:
-        """Shuts the weight sync down (and the worker, if this trainer started it)."""
-        self.sync.shutdown()
-        if self._owns_worker and self.worker is not None:
-            self.worker.shutdown()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 # ---- command line ----------------------------------------------------------------------------
 
