@@ -271,17 +271,15 @@ class TaskConfig:
 
 
 @dataclass
-class TrainerConfig:
-    """A GRPO-family training run."""
+class RunConfig:
+    """What every training run has: the policy checkpoint, sampling, optimizer, outputs, task, length and seed."""
 
     model: ModelConfig
     """The policy checkpoint."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Sampling."""
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    """The objective."""
     optim: OptimConfig = field(default_factory=OptimConfig)
-    """The optimizer."""
+    """The policy optimizer (a critic, where there is one, uses its betas, eps and weight decay too)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Outputs."""
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -289,7 +287,15 @@ class TrainerConfig:
     num_steps: int = 20
     """Training steps (one generate -> reward -> update -> weight sync each)."""
     seed: int = 0
-    """Seed of the trainer's torch generator and of problem sampling."""
+    """Seed of the trainer's torch generator (and of any freshly initialised head) and of problem sampling."""
 
     def __post_init__(self) -> None:
         check_range("num_steps", self.num_steps, 0)
+
+
+@dataclass
+class TrainerConfig(RunConfig):
+    """A GRPO-family training run."""
+
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The objective."""

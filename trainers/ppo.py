@@ -39,12 +39,8 @@ from trainers.common import (
 from trainers.config import (
     Aggregation,
     KLEstimator,
-    LoggingConfig,
     MismatchMode,
-    ModelConfig,
-    OptimConfig,
-    RolloutConfig,
-    TaskConfig,
+    RunConfig,
     check_choice,
     check_range,
 )
@@ -112,30 +108,16 @@ class PPOAlgorithmConfig:
 
 
 @dataclass
-class PPOTrainerConfig:
+class PPOTrainerConfig(RunConfig):
     """A PPO training run (policy + critic)."""
 
-    model: ModelConfig
-    """The policy checkpoint."""
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    """Sampling."""
     algorithm: PPOAlgorithmConfig = field(default_factory=PPOAlgorithmConfig)
     """The objective."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    """The policy optimizer (its betas, eps and weight decay also apply to the critic)."""
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    """Outputs."""
-    task: TaskConfig = field(default_factory=TaskConfig)
-    """Prompts and reward."""
-    num_steps: int = 20
-    """Training steps (one generate -> reward -> update -> weight sync each)."""
-    seed: int = 0
-    """Seed of the trainer's torch generator (and the critic head's initialisation) and of problem sampling."""
 
     def __post_init__(self) -> None:
-        check_range("num_steps", self.num_steps, 0)
+        super().__post_init__()
         if getattr(self.rollout, "async_mode", False):
             raise ValueError("rollout.async_mode: this PPO trainer is synchronous; async generation is GRPO-only for now")
 
