@@ -54,6 +54,9 @@ class BlockPool:
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         # block hash -> the block holding that prefix's KV (in use or free).
         self.cached: dict[int, KVCacheBlock] = {}
+        # Every block carrying a block_hash (a superset of cached's values: duplicates carry one too),
+        # so a reset touches those, not all blocks (a GPU pool has tens of thousands).
+        self.hashed: set[KVCacheBlock] = set()
 
     @property
     def num_free_blocks(self) -> int:
@@ -106,14 +109,16 @@ class BlockPool:
             if block.block_hash is not None:  # a prefix hit: already registered
                 continue
             block.block_hash = block_hashes[i]
+            self.hashed.add(block)
             # If another block already holds this prefix (both computed it at once), keep
             # the first; this one still carries its hash so eviction stays consistent.
             self.cached.setdefault(block.block_hash, block)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix (e.g. after a weight update); blocks stay allocated."""
-        for block in self.blocks:
+        for block in self.hashed:
             block.block_hash = None
+        self.hashed.clear()
         self.cached.clear()
 
     def _evict(self, block: KVCacheBlock) -> None:
@@ -121,3 +126,4 @@ class BlockPool:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
             block.block_hash = None
+            self.hashed.discard(block)

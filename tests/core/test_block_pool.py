@@ -96,6 +96,19 @@ def test_reset_prefix_cache_and_caching_off():
     pool.reset_prefix_cache()
     assert pool.cached == {} and all(b.block_hash is None for b in blocks)
 
+    # A duplicate of a cached prefix carries its hash too, free or not: the reset clears it as well,
+    # and an evicted block leaves the set of hashed blocks the reset walks.
+    pool = BlockPool(4, enable_caching=True)
+    a, b, c = pool.get_new_blocks(3)
+    pool.cache_full_blocks([a], hashes[:1], 0, 1)
+    pool.cache_full_blocks([b, c], hashes[:2], 0, 2)  # b duplicates a's prefix
+    pool.free_blocks([b, c])
+    assert pool.hashed == {a, b, c}
+    pool.get_new_blocks(2)  # the oldest free blocks: the never-used one, then b (evicted)
+    assert pool.hashed == {a, c} and b.block_hash is None
+    pool.reset_prefix_cache()
+    assert pool.cached == {} and pool.hashed == set() and a.block_hash is None and c.block_hash is None
+
     off = BlockPool(2, enable_caching=False)
     blocks = off.get_new_blocks(2)
     off.cache_full_blocks(blocks, hashes, 0, 2)
