@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar
@@ -41,6 +41,9 @@ class WeightUpdateInfo:
     shapes: list[tuple[int, ...]]
     # Backend-specific extras (e.g. the decoded tensors of the local backend, a packing plan).
     extra: dict[str, Any] = field(default_factory=dict)
+    # views_stable_per_call backends: equal keys promise that receive_weights yields the very same
+    # tensor views again (same buffer, same tensors), so the worker may reuse what it built for them.
+    reuse_key: Hashable | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.names) == len(self.dtypes) == len(self.shapes)):
@@ -174,7 +177,7 @@ class ParamMeta:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ def bitwise_patch(name: str, old: torch.Tensor, new: torch.Tensor) -> SparseWeig
 
 
 def patch_nbytes(nnz: int, dtype: torch.dtype) -> int:
-    return nnz * (_INDEX_BYTES + torch.empty((), dtype=dtype).element_size())
+    return nnz * (_INDEX_BYTES + dtype.itemsize)
 
 
 class DeltaTracker:

@@ -115,7 +115,7 @@ def _decode_b64_entry(index: int, entry) -> tuple[str, torch.Tensor]:
         raw = base64.b64decode(entry["data_b64"], validate=True)
     except (binascii.Error, TypeError, ValueError) as e:
         raise ValueError(f"{where}.data_b64: not valid base64: {e}") from None
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     expected = math.prod(shape) * itemsize
     if len(raw) != expected:
         raise ValueError(

@@ -162,7 +162,7 @@ def _entry_meta(name: str, entry: Entry) -> tuple[torch.dtype, tuple[int, ...], 
 def _wire_nbytes(dtype: torch.dtype, shape: tuple[int, ...], nnz: int | None) -> int:
     if nnz is not None:
         return patch_nbytes(nnz, dtype)
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 class SparseNCCLTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
