@@ -73,6 +73,8 @@ logger = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 _SEGMENT_NAME = re.compile(r"^wt-ipc-[0-9a-z-]{1,100}$")
 _MAX_SLOTS = 64  # ring buffers + the oversize buffer; fixes the control block's size
+_MAX_VIEW_SETS = 16  # per buffer: the distinct packs it carries (one per sync layout in practice)
+_FILL_BATCH_BYTES = 256 << 20  # source bytes per multi-tensor copy into a buffer
 _MAX_HANDLE_BYTES = 4096  # a CUDA IPC handle is 64 bytes; allow for longer formats, refuse garbage
 
 
@@ -396,6 +398,9 @@ class _Mapped:
 
     descriptor: _Descriptor
     tensor: torch.Tensor  # uint8 [capacity], the trainer's memory
+    # (names, dtypes, shapes) of a pack -> its tensors' views into `tensor`: a model's packs recur every
+    # sync, so the views are made once and the same objects yielded again (WeightUpdateInfo.reuse_key).
+    views: dict[tuple, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
 
 
 _INIT_FIELDS = {"backend", "control", "host", "timeout_s", "keep_buffers"}
@@ -484,8 +489,17 @@ class IPCWeightTransferEngine(WeightTransferEngine):
                 f"beyond the buffer's {descriptor.capacity}"
             )
         mapped = self._map(descriptor, f"{where}.buffer[{self.key!r}]", control)
+        layout = (tuple(names), tuple(dtypes), tuple(shapes))
+        if layout not in mapped.views:
+            if len(mapped.views) >= _MAX_VIEW_SETS:
+                mapped.views.clear()
+            mapped.views[layout] = [
+                packing.view_of(mapped.tensor, ps, dtypes[ps.index], shapes[ps.index]) for ps in packs[0].slots
+            ]
         return WeightUpdateInfo(
-            names, dtypes, shapes, extra={"pack": packs[0], "mapped": mapped, "slot": slot, "seq": seq}
+            names, dtypes, shapes, extra={"pack": packs[0], "mapped": mapped, "slot": slot, "seq": seq,
+                                          "views": mapped.views[layout]},
+            reuse_key=(slot, descriptor.gen, layout),
         )
 
     def _map(self, descriptor: _Descriptor, where: str, control: _Control) -> _Mapped:
@@ -527,9 +541,8 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         self._wait_ready(control, slot, seq, info.names[pack.slots[0].index])
         buffer = mapped.tensor
         try:
-            for pack_slot in pack.slots:
-                i = pack_slot.index
-                yield info.names[i], packing.view_of(buffer, pack_slot, info.dtypes[i], info.shapes[i])
+            for pack_slot, view in zip(pack.slots, info.extra["views"]):
+                yield info.names[pack_slot.index], view
         finally:
             if buffer.is_cuda:  # the landing copies read the buffer: done before the trainer may refill it
                 torch.cuda.synchronize(buffer.device)
@@ -539,7 +552,9 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         timeout_s = self._settings.timeout_s  # set with the control block
         where = f"ipc: buffer slot {slot} (pack {seq}, first tensor {first_name!r})"
         deadline = time.monotonic() + timeout_s
-        delay = 1e-4
+        # Short sleeps: a pack takes the trainer well under a millisecond to fill on a GPU, and a long
+        # back-off would add its overshoot to every sync; the engine has nothing else to do meanwhile.
+        delay = 5e-5
         while True:
             if control.aborted:
                 raise RuntimeError(f"{where}: the trainer abandoned the sync")
@@ -555,7 +570,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
                 logger.warning("%s", message)
                 raise TimeoutError(message)
             time.sleep(delay)
-            delay = min(delay * 2, 0.005)
+            delay = min(delay * 2, 5e-4)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -852,7 +867,20 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         return self._device
 
     def _fill(self, buffer: _Buffer, pack: packing.Pack, metas: list[ParamMeta], items: _PeekedSource) -> None:
-        """Copies the pack's tensors (pulled one at a time from the source) into `buffer`; complete on return."""
+        """Copies the pack's tensors (pulled one at a time from the source) into `buffer`; complete on return.
+
+        Copies go in batches (one multi-tensor copy per _FILL_BATCH_BYTES of source tensors): per-tensor
+        launches dominated small models' syncs, and a batch bounds what a gathering source keeps alive."""
+        batch: list[tuple[packing.PackSlot, torch.Tensor]] = []
+        held = 0
+
+        def flush() -> None:
+            nonlocal held
+            if batch:
+                packing.copy_many_into(buffer.tensor, [s for s, _ in batch], [t for _, t in batch])
+            batch.clear()
+            held = 0
+
         for pack_slot in pack.slots:
             meta = metas[pack_slot.index]
             try:
@@ -864,7 +892,11 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine):
                     f"source: iter_full yielded {name!r} {tensor.dtype} {list(tensor.shape)} where the metadata has "
                     f"{meta.name!r} {meta.dtype} {list(meta.shape)}"
                 )
-            packing.copy_into(buffer.tensor, pack_slot, tensor)
+            batch.append((pack_slot, tensor))
+            held += pack_slot.nbytes
+            if held >= _FILL_BATCH_BYTES:
+                flush()
+        flush()
         if buffer.tensor.is_cuda:  # `ready` must not be set before the device copies are done
             torch.cuda.current_stream(buffer.tensor.device).synchronize()
 

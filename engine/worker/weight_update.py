@@ -26,7 +26,8 @@ Copies are in place, so parameter addresses (and CUDA graphs that recorded them)
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -40,6 +41,23 @@ logger = logging.getLogger(__name__)
 
 # Recomputed from the config by every implementation: accepted in an update, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+_MAX_PLANS = 64  # landing plans kept (one per recurring call: a model's packs)
+
+
+@dataclass
+class _LandingPlan:
+    """How one update_weights call of a views_stable backend lands: built (and validated) on the
+    first call with a reuse_key, used again by every later call with the same key."""
+
+    names: list[str]  # every received name, in order
+    checked: list[torch.Tensor] = field(default_factory=list)  # received floating tensors: the finite check
+    checked_names: list[str] = field(default_factory=list)
+    targets: list[str] = field(default_factory=list)  # landing names of dsts
+    dsts: list[torch.Tensor] = field(default_factory=list)  # flat views of the parameters (or fused rows)
+    srcs: list[torch.Tensor] = field(default_factory=list)  # flat views of the received tensors, same order
+    rest: list[tuple[str, "torch.Tensor | SparseWeightPatch"]] = field(default_factory=list)  # via the loaders
 
 
 @dataclass(frozen=True)
@@ -118,7 +136,9 @@ class WeightUpdater:
         # False after a failed transfer that could not be rolled back (rollback "none"): the
         # weights are a mix and must not serve until an update finishes.
         self.consistent = True
-        self._saved: dict[str, torch.Tensor] = {}  # hf name -> value before this update (rollback copies)
+        self._saved: dict[str, torch.Tensor] = {}  # hf name -> value before this update (flat rollback copies)
+        self._plans: dict[Hashable, _LandingPlan] = {}  # reuse_key -> how that recurring call lands
+        self._plans_for: tuple[int, ...] = ()  # the parameter addresses the plans' views point into
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -136,12 +156,16 @@ class WeightUpdater:
         if self.transfer_engine is not None:
             self.transfer_engine.shutdown()
         self.transfer_engine, self.backend = engine, backend
+        self._plans = {}  # keys are the old engine's
 
     def start_update(self) -> None:
         engine = self._require_engine("start_weight_update")
         if self.updating:
             raise WeightUpdateStateError("start_weight_update: a weight update is already in progress; call finish_weight_update first")
         engine.start_update()
+        addresses = tuple(slot.param.data_ptr() for slot in self.layout.values())
+        if addresses != self._plans_for:  # the weights moved (sleep and wake_up): the plans' views are stale
+            self._plans, self._plans_for = {}, addresses
         self._saved = {}
         self.updating = True
 
@@ -152,9 +176,11 @@ class WeightUpdater:
             raise WeightUpdateStateError("update_weights: no weight update in progress; call start_weight_update first")
         self._require_resident("update_weights")
         info = engine.parse_update_info(update_info)
-        self._validate(list(zip(info.names, info.dtypes, info.shapes)))  # before anything moves
+        plan = self._plans.get(info.reuse_key) if info.reuse_key is not None else None
+        if plan is None:  # a reused plan was validated when it was built
+            self._validate(list(zip(info.names, info.dtypes, info.shapes)))  # before anything moves
         if engine.views_stable_per_call and self.rollback != "none":
-            return self._update_together(engine, info)
+            return self._update_together(engine, info, plan)
         first_saved_here: list[str] = []  # rollback copies this call made (restored if it fails)
         resaved: dict[str, torch.Tensor] = {}  # call-start values of weights an earlier call changed
         # NaN/inf checks are queued on the device and read once per call (one host sync, not one per tensor).
@@ -173,7 +199,7 @@ class WeightUpdater:
                         resaved[target] = self.layout[target].tensor().clone()
                     self._land(target, item)
                 count += 1
-            _raise_if_not_finite(finite_checks)
+            _raise_if_not_finite([n for n, _ in finite_checks], finite_checks)
         except ValueError as e:  # a received tensor failed validation: undo this call only
             self._restore(first_saved_here, resaved)
             raise ValueError(f"weight update rejected, no weight was changed: {e}") from None
@@ -188,12 +214,13 @@ class WeightUpdater:
             ) from e
         return count
 
-    def _update_together(self, engine: WeightTransferEngine, info) -> int:
+    def _update_together(self, engine: WeightTransferEngine, info, plan: "_LandingPlan | None") -> int:
         """update_weights for backends whose tensors stay valid for the whole call: receive them all,
         check them all (one finite check, one host sync), then land them with one multi-tensor copy.
 
         Per-tensor Python and kernel launches dominate small models' syncs; this path has a few
-        per call. Tensors whose dtype differs from their parameter's go through the loaders.
+        per call, and none per tensor when the backend marks the call as a repeat (reuse_key):
+        the plan built and validated the first time is used again.
         """
         name = None
         try:
@@ -209,41 +236,56 @@ class WeightUpdater:
                 f"update_weights: the transfer failed{where}: {type(e).__name__}: {e}; "
                 "the update was aborted and the previous weights restored"
             ) from e
-        dense = [(n, t) for n, t in received if not isinstance(t, SparseWeightPatch)]
         try:
-            for n, t in received:
-                if isinstance(t, SparseWeightPatch):
-                    self._check_received(n, t, [])
-                else:
-                    self._check_metadata(n, t)
-            floats = [(n, t) for n, t in dense if t.dtype.is_floating_point and t.numel()]
-            if floats:
+            if plan is None:
+                plan = self._plan(received)
+                if info.reuse_key is not None:
+                    if len(self._plans) >= _MAX_PLANS:
+                        self._plans.clear()
+                    self._plans[info.reuse_key] = plan
+            elif len(received) != len(plan.names):
+                raise ValueError(f"the backend delivered {len(received)} tensors for a call of {len(plan.names)}")
+            if plan.checked:
                 # The max-abs norm is NaN or inf exactly when a tensor holds one: one kernel per group, one sync.
-                norms = torch._foreach_norm([t for _, t in floats], float("inf"))
-                _raise_if_not_finite([(n, torch.isfinite(v)) for (n, _), v in zip(floats, norms)])
+                norms = torch._foreach_norm(plan.checked, float("inf"))
+                _raise_if_not_finite(plan.checked_names, torch.isfinite(torch.stack(norms)))
         except ValueError as e:  # nothing has landed yet
             raise ValueError(f"weight update rejected, no weight was changed: {e}") from None
-        dsts, srcs, rest = [], [], []
+        self._save_many([(t, d) for t, d in zip(plan.targets, plan.dsts) if t not in self._saved])
+        self._save_many([(t, self.layout[t].tensor()) for t, _ in plan.rest if t not in self._saved])
+        with torch.no_grad():
+            if plan.dsts:
+                torch._foreach_copy_(plan.dsts, plan.srcs)
+            for target, t in plan.rest:
+                self._land(target, t)
+            if plan.srcs and plan.srcs[0].is_cuda:  # the backend's buffer is reused once this call returns
+                torch.cuda.current_stream(plan.srcs[0].device).synchronize()
+        return len(received)
+
+    def _plan(self, received: list[tuple[str, "torch.Tensor | SparseWeightPatch"]]) -> "_LandingPlan":
+        """Checks one call's received tensors against the model (ValueError names the first bad one)
+        and pairs each with the flat view of the parameter (rows) it lands in."""
+        plan = _LandingPlan(names=[n for n, _ in received])
         for n, t in received:
+            if isinstance(t, SparseWeightPatch):
+                self._check_received(n, t, [])
+            else:
+                self._check_metadata(n, t)
+                if t.dtype.is_floating_point and t.numel():
+                    plan.checked.append(t)
+                    plan.checked_names.append(n)
             target = self._landing_name(n)
             if target is None:
                 continue
-            if target not in self._saved:
-                self._save(target)
             dst = self.layout[target].tensor()
-            if isinstance(t, SparseWeightPatch) or t.dtype != dst.dtype or t.device.type != dst.device.type:
-                rest.append((target, t))
+            if (isinstance(t, SparseWeightPatch) or t.dtype != dst.dtype or t.device.type != dst.device.type
+                    or not (dst.is_contiguous() and t.is_contiguous())):
+                plan.rest.append((target, t))  # through the model's loaders
             else:
-                dsts.append(dst)
-                srcs.append(t.view(dst.shape))
-        with torch.no_grad():
-            if dsts:
-                torch._foreach_copy_(dsts, srcs)
-            for target, t in rest:
-                self._land(target, t)
-            if srcs and srcs[0].is_cuda:  # the backend's buffer is reused once this call returns
-                torch.cuda.current_stream(srcs[0].device).synchronize()
-        return len(received)
+                plan.targets.append(target)
+                plan.dsts.append(dst.view(-1))
+                plan.srcs.append(t.view(-1))
+        return plan
 
     def _check_metadata(self, name: str, tensor: torch.Tensor) -> None:
         problems = self._problems(name, tensor.dtype, tuple(tensor.shape))
@@ -272,6 +314,7 @@ class WeightUpdater:
         if self.transfer_engine is not None:
             self.transfer_engine.shutdown()
         self.transfer_engine, self.backend, self.updating = None, None, False
+        self._plans = {}
 
     # ---- landing and rollback ------------------------------------------------------------------
 
@@ -282,11 +325,30 @@ class WeightUpdater:
         return self.layout[name].alias_of or name
 
     def _save(self, name: str) -> None:
+        self._save_many([(name, self.layout[name].tensor())])
+
+    def _save_many(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        """Keeps the current value (given) of each named weight for rollback: one allocation and one
+        multi-tensor copy per (dtype, device), not one clone per tensor. The copies are kept flat."""
         if self.rollback == "none":
-            self._saved[name] = None  # type: ignore[assignment]  # touched, nothing kept
+            self._saved.update((name, None) for name, _ in items)  # touched, nothing kept
             return
-        current = self.layout[name].tensor()
-        self._saved[name] = current.to("cpu", copy=True) if self.rollback == "cpu" else current.clone()
+        items = list(dict(items).items())  # a tied pair may name its owner twice
+        groups: dict[tuple[torch.dtype, torch.device], list[tuple[str, torch.Tensor]]] = {}
+        for name, current in items:
+            groups.setdefault((current.dtype, current.device), []).append((name, current))
+        for (dtype, device), group in groups.items():
+            where = torch.device("cpu") if self.rollback == "cpu" else device
+            flat = torch.empty(sum(t.numel() for _, t in group), dtype=dtype, device=where)
+            copies = flat.split([t.numel() for _, t in group])
+            currents = [t.view(-1) if t.is_contiguous() else t.reshape(-1) for _, t in group]
+            with torch.no_grad():
+                if where == device:
+                    torch._foreach_copy_(copies, currents)
+                else:  # device to host: plain copies (multi-tensor copies stay on one device)
+                    for c, t in zip(copies, currents):
+                        c.copy_(t)
+            self._saved.update((name, c) for (name, _), c in zip(group, copies))
 
     def _land(self, name: str, item: torch.Tensor | SparseWeightPatch) -> None:
         with torch.no_grad():
@@ -303,7 +365,8 @@ class WeightUpdater:
             return False
         with torch.no_grad():
             for name in first_saved:
-                self.layout[name].tensor().copy_(self._saved.pop(name))
+                dst = self.layout[name].tensor()
+                dst.copy_(self._saved.pop(name).view(dst.shape))  # kept flat
             for name, value in resaved.items():
                 self.layout[name].tensor().copy_(value)
         return True
@@ -377,7 +440,7 @@ class WeightUpdater:
         if item.dtype.is_floating_point and item.numel():
             finite_checks.append((name, torch.isfinite(item).all()))
             if self.rollback == "none":  # nothing to restore from: check before it lands
-                _raise_if_not_finite(finite_checks[-1:])
+                _raise_if_not_finite([name], finite_checks[-1:])
 
     # ---- inspection ----------------------------------------------------------------------------
 
@@ -403,11 +466,14 @@ class WeightUpdater:
         return result
 
 
-def _raise_if_not_finite(checks: list[tuple[str, torch.Tensor]]) -> None:
-    """Raises ValueError naming the first tensor whose queued isfinite().all() came out False."""
-    if not checks:
+def _raise_if_not_finite(names: list[str], ok: torch.Tensor | list[tuple[str, torch.Tensor]]) -> None:
+    """Raises ValueError naming the first of `names` whose flag in `ok` (a bool tensor, or the
+    queued (name, isfinite().all()) checks) came out False; reading the flags is the one host sync."""
+    if not names:
         return
-    ok = torch.stack([flag for _, flag in checks]).cpu()  # the call's one host sync
+    if isinstance(ok, list):
+        ok = torch.stack([flag for _, flag in ok])
+    ok = ok.cpu()
     if not bool(ok.all()):
-        bad = [name for (name, _), good in zip(checks, ok.tolist()) if not good]
+        bad = [name for name, good in zip(names, ok.tolist()) if not good]
         raise ValueError(f"{bad[0]!r}: contains NaN or inf" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))

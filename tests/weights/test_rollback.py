@@ -54,8 +54,18 @@ class ScriptedTogetherBackend(ScriptedBackend):
     views_stable_per_call = True
 
 
+class ScriptedReusedBackend(ScriptedTogetherBackend):
+    """The same, marking a call by its names as a repeat (same tensors again): the worker reuses its landing plan."""
+
+    def parse_update_info(self, update_info: dict) -> WeightUpdateInfo:
+        info = super().parse_update_info(update_info)
+        info.reuse_key = tuple(info.names)
+        return info
+
+
 register_engine_backend("scripted", ScriptedBackend)
 register_engine_backend("scripted-together", ScriptedTogetherBackend)
+register_engine_backend("scripted-reused", ScriptedReusedBackend)
 BACKENDS = pytest.mark.parametrize("backend", ["scripted", "scripted-together"])
 
 
@@ -231,3 +241,45 @@ def test_a_nan_in_a_later_tensor_changes_nothing_of_its_call(old_new, backend):
     core.finish_weight_update()
     landed = core.weight_checker(hf_state_checksums({n: new_state[n] for n in names}))
     assert not landed["mismatches"]
+
+
+def test_a_repeated_call_reuses_its_landing_plan_and_still_checks_and_lands_right(old_new):
+    path, old_expected, new_state = old_new
+    old_state = read_state(path)
+    llm = _llm(path)
+    core = llm.engine_core
+    updater = core.executor.worker.weight_updater
+    names = sorted(new_state)
+    delivered = {n: t.clone() for n, t in new_state.items()}  # the backend's buffers, refilled in place
+    _DELIVERIES.clear()
+    _DELIVERIES.update(delivered)
+    core.init_weight_transfer_engine({"backend": "scripted-reused"})
+
+    def sync(state: dict, version: str) -> None:
+        for n in names:
+            delivered[n].copy_(state[n])
+        core.start_weight_update()
+        assert core.update_weights({"names": names}) == len(names)
+        core.finish_weight_update(version)
+
+    for version, state in [("v1", new_state), ("v2", old_state), ("v3", new_state)]:
+        sync(state, version)
+        assert core.weight_checker(hf_state_checksums(state))["match"], version
+    assert len(updater._plans) == 1  # built once, used three times
+
+    delivered[names[2]].view(-1)[0] = float("nan")  # a repeated call is still checked
+    core.start_weight_update()
+    with pytest.raises(ValueError, match=rf"no weight was changed: {names[2]!r}: contains NaN or inf"):
+        core.update_weights({"names": names})
+    core.abort_weight_update()
+    assert core.weight_checker(hf_state_checksums(new_state))["match"]
+
+    # Sleep level 2 gives the parameters new storage (wake_up reloads the checkpoint's weights):
+    # a stale plan would land in the old storage, and the engine would keep serving the checkpoint.
+    core.sleep(level=2)
+    core.wake_up()
+    assert core.weight_checker(hf_state_checksums(old_state))["match"]
+    sync(new_state, "v4")
+    assert core.weight_checker(hf_state_checksums(new_state))["match"]
+    sync(old_state, "v5")
+    assert _tokens(engine_greedy(llm)) == old_expected
