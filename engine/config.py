@@ -117,6 +117,32 @@ class DeviceConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How many worker processes one engine spans, and what starts them."""
+
+    tensor_parallel_size: int = 1
+    """Ranks that split every layer (attention heads, MLP columns, vocabulary); one worker per rank, rank r on device index base + r."""
+    distributed_executor_backend: str | None = None
+    """`uni` (one worker inside the engine process), `mp` (one process per rank), `ray` (Ray actors in a placement group, so an engine may span nodes); None: uni for one rank, mp for more."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {self.tensor_parallel_size!r}")
+        if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
+            raise ValueError(
+                f"distributed_executor_backend must be uni, mp or ray, got {self.distributed_executor_backend!r}"
+            )
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError("distributed_executor_backend=uni runs one worker; tensor_parallel_size > 1 needs mp or ray")
+
+    @property
+    def executor_backend(self) -> str:
+        """The backend in effect (the None default resolved)."""
+        return self.distributed_executor_backend or ("uni" if self.tensor_parallel_size == 1 else "mp")
+
+
+@dataclass
 class AdmissionConfig:
     """Frontend admission control: refuse (HTTP 503) rather than queue without bound."""
 
@@ -181,6 +207,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
@@ -193,6 +220,7 @@ ENGINE_CONFIG_SECTIONS: dict[str, type] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "device": DeviceConfig,
+    "parallel": ParallelConfig,
     "admission": AdmissionConfig,
     "observability": ObservabilityConfig,
     "fault_tolerance": FaultToleranceConfig,
