@@ -403,6 +403,18 @@ class _Mapped:
     views: dict[tuple, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
 
 
+@dataclass
+class _Parsed:
+    """A slot's last announced pack: the raw lists as received, and what parsing them gave."""
+
+    raw: tuple
+    names: list[str]
+    dtypes: list[torch.dtype]
+    shapes: list[tuple[int, ...]]
+    pack: packing.Pack
+    layout: tuple  # (names, dtypes, shapes) as tuples: the key of the buffer's views
+
+
 _INIT_FIELDS = {"backend", "control", "host", "timeout_s", "keep_buffers"}
 _UPDATE_FIELDS = {"names", "dtypes", "shapes", "buffer_size", "slot", "seq", "buffer"}
 
@@ -418,6 +430,7 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         self._control: _Control | None = None
         self._settings: _EngineInitInfo | None = None
         self._mapped: dict[int, _Mapped] = {}  # slot -> the buffer of that slot currently mapped
+        self._parsed: dict[int, _Parsed] = {}  # slot -> its last announced pack, parsed
 
     # ---- init ----------------------------------------------------------------------------------
 
@@ -452,13 +465,27 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         if not isinstance(update_info, Mapping):
             raise ValueError(f"{where}: expected a dict, got {type(update_info).__name__}")
         _no_unknown(update_info, _UPDATE_FIELDS, where)
-        names, dtypes, shapes = packing.parse_tensor_list(update_info, where)
-        if not names:
-            raise ValueError(f"{where}.names: empty; a call carries one pack of at least one tensor")
         buffer_size = _int_field(update_info, "buffer_size", where, minimum=packing.ALIGN)
         slot = _int_field(update_info, "slot", where)
         if slot >= _MAX_SLOTS:
             raise ValueError(f"{where}.slot: {slot} is out of range [0, {_MAX_SLOTS})")
+        # A slot carries the same pack every sync: when the announced lists equal the last ones
+        # (compared as plain lists, fast), their parse and packing plan are reused.
+        raw = (update_info.get("names"), update_info.get("dtypes"), update_info.get("shapes"), buffer_size)
+        parsed = self._parsed.get(slot)
+        if parsed is not None and parsed.raw == raw:
+            names, dtypes, shapes, pack, layout = parsed.names, parsed.dtypes, parsed.shapes, parsed.pack, parsed.layout
+        else:
+            names, dtypes, shapes = packing.parse_tensor_list(update_info, where)
+            if not names:
+                raise ValueError(f"{where}.names: empty; a call carries one pack of at least one tensor")
+            packs = packing.plan_packs([packing.nbytes_of(d, s) for d, s in zip(dtypes, shapes)], buffer_size)
+            if len(packs) != 1:
+                raise ValueError(
+                    f"{where}.names: the tensors fill {len(packs)} buffers of {buffer_size} bytes; a call carries one"
+                )
+            pack, layout = packs[0], (tuple(names), tuple(dtypes), tuple(shapes))
+            self._parsed[slot] = _Parsed(raw, names, dtypes, shapes, pack, layout)
         seq = _int_field(update_info, "seq", where, minimum=1)
         buffers = _field(update_info, "buffer", Mapping, where)
         if not buffers:
@@ -477,27 +504,20 @@ class IPCWeightTransferEngine(WeightTransferEngine):
             raise ValueError(
                 f"{where}.buffer[{self.key!r}].handle.kind: {descriptor.kind!r} on a {self.device.type} worker"
             )
-        sizes = [packing.nbytes_of(d, s) for d, s in zip(dtypes, shapes)]
-        packs = packing.plan_packs(sizes, buffer_size)
-        if len(packs) != 1:
+        if pack.nbytes > descriptor.capacity:
             raise ValueError(
-                f"{where}.names: the tensors fill {len(packs)} buffers of {buffer_size} bytes; a call carries one"
-            )
-        if packs[0].nbytes > descriptor.capacity:
-            raise ValueError(
-                f"{where}.buffer[{self.key!r}].capacity: the pack spans bytes [0, {packs[0].nbytes}), "
+                f"{where}.buffer[{self.key!r}].capacity: the pack spans bytes [0, {pack.nbytes}), "
                 f"beyond the buffer's {descriptor.capacity}"
             )
         mapped = self._map(descriptor, f"{where}.buffer[{self.key!r}]", control)
-        layout = (tuple(names), tuple(dtypes), tuple(shapes))
         if layout not in mapped.views:
             if len(mapped.views) >= _MAX_VIEW_SETS:
                 mapped.views.clear()
             mapped.views[layout] = [
-                packing.view_of(mapped.tensor, ps, dtypes[ps.index], shapes[ps.index]) for ps in packs[0].slots
+                packing.view_of(mapped.tensor, ps, dtypes[ps.index], shapes[ps.index]) for ps in pack.slots
             ]
         return WeightUpdateInfo(
-            names, dtypes, shapes, extra={"pack": packs[0], "mapped": mapped, "slot": slot, "seq": seq,
+            names, dtypes, shapes, extra={"pack": pack, "mapped": mapped, "slot": slot, "seq": seq,
                                           "views": mapped.views[layout]},
             reuse_key=(slot, descriptor.gen, layout),
         )
@@ -659,6 +679,19 @@ class _Buffer:
     descriptor: dict
     segment_name: str | None = None  # CPU
     cuda_ref: tuple[bytes, int] | None = None  # CUDA: (ref counter, offset) of the export
+    # A pack's (offset, dtype, shape) per tensor -> typed views into `tensor` to copy them into:
+    # a model's packs recur every sync, so the views are made once.
+    views: dict[tuple, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+
+    def views_for(self, pack: packing.Pack, metas: list[ParamMeta]) -> list[torch.Tensor]:
+        key = tuple((s.offset, metas[s.index].dtype, metas[s.index].shape) for s in pack.slots)
+        views = self.views.get(key)
+        if views is None:
+            if len(self.views) >= _MAX_VIEW_SETS:
+                self.views.clear()
+            views = self.views[key] = [packing.view_of(self.tensor, s, d, shape) for s, d, shape in
+                                       ((s, metas[s.index].dtype, metas[s.index].shape) for s in pack.slots)]
+        return views
 
     @property
     def capacity(self) -> int:
@@ -869,30 +902,38 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine):
     def _fill(self, buffer: _Buffer, pack: packing.Pack, metas: list[ParamMeta], items: _PeekedSource) -> None:
         """Copies the pack's tensors (pulled one at a time from the source) into `buffer`; complete on return.
 
-        Copies go in batches (one multi-tensor copy per _FILL_BATCH_BYTES of source tensors): per-tensor
-        launches dominated small models' syncs, and a batch bounds what a gathering source keeps alive."""
-        batch: list[tuple[packing.PackSlot, torch.Tensor]] = []
+        Copies go in batches (one multi-tensor copy per _FILL_BATCH_BYTES of source tensors) into views
+        made once per pack: per-tensor launches and views dominated small models' syncs, and a batch
+        bounds what a gathering source keeps alive."""
+        views = buffer.views_for(pack, metas)
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
         held = 0
 
         def flush() -> None:
             nonlocal held
-            if batch:
-                packing.copy_many_into(buffer.tensor, [s for s, _ in batch], [t for _, t in batch])
-            batch.clear()
+            if srcs and all(t.device == buffer.tensor.device for t in srcs):
+                torch._foreach_copy_(dsts, srcs)
+            else:
+                for dst, src in zip(dsts, srcs):
+                    dst.copy_(src, non_blocking=True)
+            dsts.clear()
+            srcs.clear()
             held = 0
 
-        for pack_slot in pack.slots:
+        for pack_slot, view in zip(pack.slots, views):
             meta = metas[pack_slot.index]
             try:
                 name, tensor = items.pop()
             except Exception as e:
                 raise RuntimeError(f"reading {meta.name!r} from the source failed: {type(e).__name__}: {e}") from e
-            if name != meta.name or tensor.dtype != meta.dtype or tuple(tensor.shape) != meta.shape:
+            if name != meta.name or tensor.dtype != meta.dtype or tensor.shape != meta.shape:
                 raise ValueError(
                     f"source: iter_full yielded {name!r} {tensor.dtype} {list(tensor.shape)} where the metadata has "
                     f"{meta.name!r} {meta.dtype} {list(meta.shape)}"
                 )
-            batch.append((pack_slot, tensor))
+            dsts.append(view)
+            srcs.append(tensor)
             held += pack_slot.nbytes
             if held >= _FILL_BATCH_BYTES:
                 flush()
