@@ -149,6 +149,13 @@ class StatLoggerManager:
     def _all_loggers(self) -> list[StatLoggerBase]:
         return [lg for loggers in self.per_engine_loggers.values() for lg in loggers] + [self.prometheus_logger]
 
+    def add_stat_logger(self, stat_logger: StatLoggerBase, engine_index: int = 0) -> None:
+        """Adds a logger that gets `engine_index`'s stats from now on (e.g. a data-parallel group's coordinator)."""
+        if not isinstance(stat_logger, StatLoggerBase):
+            raise ValueError(f"stat_logger: expected a StatLoggerBase, got {type(stat_logger).__name__}")
+        self._loggers(engine_index)  # validates the index
+        self.per_engine_loggers[engine_index].append(stat_logger)
+
     def record(
         self,
         scheduler_stats: SchedulerStats | None,

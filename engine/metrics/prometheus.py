@@ -166,22 +166,27 @@ class PrometheusStatLogger(StatLoggerBase):
         return generate_latest(self.registry)
 
     def snapshot(self) -> dict[str, float]:
-        """Every sample as a plain number, keyed by its Prometheus sample name.
+        """Every sample as a plain number (see registry_snapshot)."""
+        return registry_snapshot(self.registry)
 
-        Labels other than model_name and engine stay in the key
-        (`rollout:request_success_total{finished_reason="length"}`); engines are added up,
-        except fraction gauges, which are averaged, and state gauges, of which the largest counts.
-        Histograms give `_sum` and `_count`.
-        """
-        values: dict[str, list[float]] = {}
-        for family in self.registry.collect():
-            for sample in family.samples:
-                if sample.name.endswith(("_created", "_bucket")):
-                    continue
-                extra = sorted((k, v) for k, v in sample.labels.items() if k not in LABELS)
-                key = sample.name + ("{" + ",".join(f'{k}="{v}"' for k, v in extra) + "}" if extra else "")
-                values.setdefault(key, []).append(sample.value)
-        return {
-            k: sum(v) / len(v) if k in _MEAN_OVER_ENGINES else max(v) if k in _MAX_OVER_ENGINES else sum(v)
-            for k, v in values.items()
-        }
+
+def registry_snapshot(registry: CollectorRegistry) -> dict[str, float]:
+    """Every sample of `registry` as a plain number, keyed by its Prometheus sample name.
+
+    Labels other than model_name and engine stay in the key
+    (`rollout:request_success_total{finished_reason="length"}`); engines are added up,
+    except fraction gauges, which are averaged, and state gauges, of which the largest counts.
+    Histograms give `_sum` and `_count`.
+    """
+    values: dict[str, list[float]] = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name.endswith(("_created", "_bucket")):
+                continue
+            extra = sorted((k, v) for k, v in sample.labels.items() if k not in LABELS)
+            key = sample.name + ("{" + ",".join(f'{k}="{v}"' for k, v in extra) + "}" if extra else "")
+            values.setdefault(key, []).append(sample.value)
+    return {
+        k: sum(v) / len(v) if k in _MEAN_OVER_ENGINES else max(v) if k in _MAX_OVER_ENGINES else sum(v)
+        for k, v in values.items()
+    }

@@ -1,0 +1,422 @@
+"""RolloutGroup: N engines (data parallel, each an AsyncLLM with its own engine process) behind the AsyncLLM interface.
+
+    group = RolloutGroup.from_engine_args(data_parallel_size=2, model=DIR, device="cpu")
+    app = build_app(group, ServerConfig())          # the server does not know it is a group
+
+Requests go to one engine, chosen by a LoadBalancer (least outstanding tokens, prefix-cache
+aware) that also reads the Coordinator (each engine's latest scheduler stats). Controls go to
+every engine at once:
+
+- pause(mode) is two-phase: every engine pauses, then each is checked to be paused; if any
+  fails, the others are resumed and the call raises - the group never stays half paused.
+- init_weight_transfer_engine with a "rank_offset" gives engine i the offset plus the world
+  sizes of engines 0..i-1 (their workers take consecutive ranks of the transfer group).
+- get_weight_version (and weight_info) raise WeightVersionMismatchError if engines disagree.
+- get_world_size is the sum of the engines' world sizes.
+
+A failure on engine i is raised with "engine i: " in front of its message (bad input, a
+ValueError, fails alike on every engine and keeps its message so that it still names the field).
+/metrics shows every engine's series under its own `engine` label.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, get_args
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.async_llm import AsyncLLM
+from engine.control import PauseMode
+from engine.engine_args import create_engine_config
+from engine.exceptions import EngineDeadError
+from engine.metrics.loggers import LoggingStatLogger
+from engine.metrics.multi_engine import MultiEngineMetrics
+from engine.metrics.prometheus import PREFIX
+from engine.outputs import RequestOutput
+from engine.processor import PromptType
+from engine.sampling_params import SamplingParams
+from rollout.balancer import LoadBalancer
+from rollout.coordinator import Coordinator
+
+logger = logging.getLogger(__name__)
+
+_HEALTH_ORDER = {"healthy": 0, "unhealthy": 1, "dead": 2}
+
+
+class WeightVersionMismatchError(RuntimeError):
+    """The engines of a group serve different weight versions (a weight update reached only some)."""
+
+
+def engine_devices(device: str, data_parallel_size: int, tensor_parallel_size: int = 1) -> list[str]:
+    """The device of each engine: "cpu" for all on CPU; on CUDA engine i starts at cuda:<base + i * tp>.
+
+    `device` is resolved ("cpu", "cuda" or "cuda:N"); each engine's ranks then take the next
+    tensor_parallel_size devices from its own base.
+    """
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+    if device == "cpu":
+        return ["cpu"] * data_parallel_size
+    if device != "cuda" and not device.startswith("cuda:"):
+        raise ValueError(f"device: expected cpu, cuda or cuda:N for a data-parallel group, got {device!r}")
+    base = int(device.partition(":")[2] or 0)
+    return [f"cuda:{base + i * tensor_parallel_size}" for i in range(data_parallel_size)]
+
+
+def _check_enough_gpus(devices: list[str], tensor_parallel_size: int) -> None:
+    if not devices[0].startswith("cuda"):
+        return
+    import torch
+
+    needed = int(devices[-1].partition(":")[2]) + tensor_parallel_size
+    available = torch.cuda.device_count()
+    if needed > available:
+        raise ValueError(
+            f"data_parallel_size: {len(devices)} engines x tensor_parallel_size {tensor_parallel_size} "
+            f"from {devices[0]} need GPUs up to index {needed - 1}; this machine has {available}"
+        )
+
+
+class RolloutGroup:
+    """Data-parallel engines with one frontend interface (the AsyncLLM methods the server and RolloutWorker use)."""
+
+    def __init__(self, engines: Sequence[AsyncLLM], model_name: str | None = None) -> None:
+        if not engines:
+            raise ValueError("engines: a RolloutGroup needs at least one engine")
+        self.engines = list(engines)
+        self.config = self.engines[0].config
+        self.model_name = model_name or self.engines[0].model_name
+        self.tokenizer = self.engines[0].tokenizer
+        self.balancer = LoadBalancer(len(self.engines), self.config.cache.block_size)
+        self.coordinator = Coordinator(len(self.engines))
+        for index, engine in enumerate(self.engines):
+            # Each frontend reports its own engine as engine 0; its log line should say which it is.
+            engine.stat_loggers.add_stat_logger(self.coordinator.listener(index), 0)
+            for stat_logger in engine.stat_loggers.per_engine_loggers[0]:
+                if isinstance(stat_logger, LoggingStatLogger):
+                    stat_logger.engine_index = index
+        self.metrics = MultiEngineMetrics([e.stat_loggers.prometheus_logger.registry for e in self.engines])
+        self.metrics.registry.register(_BalancerCollector(self))
+        self._owners: dict[str, int] = {}  # request id -> index of the engine serving it
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(
+        cls,
+        *,
+        data_parallel_size: int,
+        multiprocess: bool = True,
+        model_name: str | None = None,
+        **engine_args: Any,
+    ) -> RolloutGroup:
+        """Starts `data_parallel_size` engines (in parallel) from flat engine args, e.g. model=DIR, device="cpu".
+
+        Engine i runs on engine_devices(...)[i] with seed + i, so that requests without their
+        own seed do not draw the same samples on every engine.
+        """
+        if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be a positive int, got {data_parallel_size!r}")
+        base = create_engine_config(**engine_args)  # validates everything before a process starts
+        tp = base.parallel.tensor_parallel_size
+        devices = engine_devices(base.device.resolve(), data_parallel_size, tp)
+        _check_enough_gpus(devices, tp)
+        per_engine = [{**engine_args, "device": devices[i], "seed": base.model.seed + i} for i in range(data_parallel_size)]
+
+        def start(args: dict) -> AsyncLLM:
+            return AsyncLLM.from_engine_args(multiprocess=multiprocess, model_name=model_name, **args)
+
+        with concurrent.futures.ThreadPoolExecutor(data_parallel_size, thread_name_prefix="start-engine") as pool:
+            futures = [pool.submit(start, args) for args in per_engine]
+            concurrent.futures.wait(futures)
+        failed = [f.exception() for f in futures if f.exception() is not None]
+        if failed:
+            for f in futures:
+                if f.exception() is None:
+                    f.result().shutdown()
+            raise failed[0]
+        return cls([f.result() for f in futures], model_name=model_name)
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.engines)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """AsyncLLM.generate on the engine the balancer picks; leaving early aborts the request there."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        routed_prompt, token_ids = await self._tokenized(prompt)
+        # No await between the check and the claim: the id is unique across all engines.
+        if request_id in self._owners:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        live = [i for i, engine in enumerate(self.engines) if not engine.is_dead]
+        if not live:
+            raise EngineDeadError("every engine of the group is dead")
+        cost = self._cost(token_ids, sampling_params)
+        index = self.balancer.pick(token_ids, cost, live, self.coordinator.num_waiting())
+        self._owners[request_id] = index
+        self.balancer.started(index, cost, token_ids)
+        outputs = self.engines[index].generate(routed_prompt, sampling_params, request_id, priority)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()  # a caller that stopped early aborts the request now, not at GC
+            self._owners.pop(request_id, None)
+            self.balancer.finished(index, cost)
+
+    async def _tokenized(self, prompt: PromptType) -> tuple[PromptType, list[int] | None]:
+        """(the prompt to send, its token ids): text is tokenized once here, for routing, and sent
+        as {"prompt", "prompt_token_ids"} so the engine does not tokenize it again. Anything
+        malformed goes as given (the engine names what is wrong) with no ids."""
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
+            return prompt, prompt["prompt_token_ids"]
+        if isinstance(prompt, dict) and set(prompt) == {"prompt"}:
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens=True)
+            return {"prompt": prompt, "prompt_token_ids": token_ids}, token_ids
+        return prompt, None
+
+    def _cost(self, token_ids: list[int] | None, params: SamplingParams) -> int:
+        num_prompt = len(token_ids) if token_ids else 0
+        max_len = self.config.model.max_model_len
+        max_tokens = params.max_tokens if getattr(params, "max_tokens", None) is not None else max_len - num_prompt
+        n = getattr(params, "n", 1) or 1
+        return LoadBalancer.request_cost(num_prompt, max(max_tokens, 1), n)
+
+    def _by_engine(self, request_ids: Sequence[str]) -> dict[int, list[str]]:
+        """The known request ids grouped by the engine that serves them (unknown ids dropped)."""
+        groups: dict[int, list[str]] = {}
+        for req_id in dict.fromkeys(request_ids):
+            if req_id in self._owners:
+                groups.setdefault(self._owners[req_id], []).append(req_id)
+        return groups
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        req_ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        await asyncio.gather(*(self.engines[i].abort(ids) for i, ids in self._by_engine(req_ids).items()))
+
+    async def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Aborts requests by user id on whichever engine serves each; returns those found, in the given order."""
+        groups = self._by_engine(request_ids)
+        found_lists = await asyncio.gather(*(self.engines[i].abort_requests(ids) for i, ids in groups.items()))
+        found = {req_id for ids in found_lists for req_id in ids}
+        return [req_id for req_id in dict.fromkeys(request_ids) if req_id in found]
+
+    # ---- fan-out -----------------------------------------------------------------------------
+
+    def _engine_error(self, index: int, error: BaseException) -> BaseException:
+        """`error` with "engine <index>: " in front of its message; ValueErrors (bad input) stay as they are."""
+        if isinstance(error, ValueError) or not isinstance(error, Exception) or self.num_engines == 1:
+            return error
+        try:
+            tagged = type(error)(f"engine {index}: {error}")
+        except Exception:  # an exception type with another constructor
+            return error
+        tagged.__dict__.update(error.__dict__)  # e.g. EngineNotReadyError.reason
+        return tagged
+
+    async def _each(self, call: Callable[[int, AsyncLLM], Awaitable[Any]]) -> list[Any]:
+        """call(i, engine) on every engine at once; every call finishes before this returns or raises."""
+        results = await asyncio.gather(*(call(i, e) for i, e in enumerate(self.engines)), return_exceptions=True)
+        for index, result in enumerate(results):
+            if isinstance(result, BaseException):
+                raise self._engine_error(index, result) from result
+        return results
+
+    async def _fan_out(self, method: str, *args: Any) -> list[Any]:
+        """engine.method(*args) on every engine; the per-engine results in engine order."""
+        return await self._each(lambda i, engine: getattr(engine, method)(*args))
+
+    # ---- pause, sleep ------------------------------------------------------------------------
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Pauses every engine in `mode` (AsyncLLM.pause); returns once all are paused.
+
+        Two-phase: all engines pause at once (the idle ones are paused at once, a busy one
+        in "wait" mode once its requests finish), then each must report itself paused. If an
+        engine fails either phase, every engine is resumed and the error is raised.
+        """
+        modes = get_args(PauseMode)
+        if mode not in modes:
+            raise ValueError(f"mode: unknown pause mode {mode!r}; expected one of {', '.join(modes)}")
+        try:
+            await self._fan_out("pause", mode)
+            states = await self._fan_out("is_paused")
+            not_paused = [i for i, paused in enumerate(states) if not paused]
+            if not_paused:
+                raise RuntimeError(f"pause: engine(s) {not_paused} did not reach the paused state")
+        except BaseException:
+            await self._resume_quietly()
+            raise
+
+    async def _resume_quietly(self) -> None:
+        """Resumes every live engine, logging (not raising) failures: the caller raises the first error."""
+        live = [(i, e) for i, e in enumerate(self.engines) if not e.is_dead]
+        results = await asyncio.gather(*(e.resume() for _, e in live), return_exceptions=True)
+        for (index, _), result in zip(live, results):
+            if isinstance(result, BaseException):
+                logger.warning("RolloutGroup: resuming engine %d after a failed pause failed: %s", index, result)
+
+    async def resume(self) -> None:
+        await self._fan_out("resume")
+
+    async def is_paused(self) -> bool:
+        """True while any engine is paused (after pause() all are; after resume() none is)."""
+        return any(await self._fan_out("is_paused"))
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._fan_out("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._fan_out("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        return any(await self._fan_out("is_sleeping"))
+
+    async def reset_prefix_cache(self) -> bool:
+        self.balancer.forget_prefixes()
+        return all(await self._fan_out("reset_prefix_cache"))
+
+    # ---- weights -----------------------------------------------------------------------------
+
+    async def engine_world_sizes(self) -> list[int]:
+        return [int(size) for size in await self._fan_out("get_world_size")]
+
+    async def get_world_size(self) -> int:
+        """Workers in all engines: the receivers a weight transport must reach."""
+        return sum(await self.engine_world_sizes())
+
+    async def init_weight_transfer_engine(self, init_info: dict) -> None:
+        """Every engine's receiver; with "rank_offset", engine i's workers start at the offset
+        plus the world sizes of engines 0..i-1."""
+        if not isinstance(init_info, dict):
+            raise ValueError(f"init_info: expected a dict, got {type(init_info).__name__}")
+        if "rank_offset" not in init_info:
+            await self._fan_out("init_weight_transfer_engine", init_info)
+            return
+        offsets, next_offset = [], int(init_info["rank_offset"])
+        for size in await self.engine_world_sizes():
+            offsets.append(next_offset)
+            next_offset += size
+        await self._each(lambda i, e: e.init_weight_transfer_engine({**init_info, "rank_offset": offsets[i]}))
+
+    async def start_weight_update(self) -> None:
+        await self._fan_out("start_weight_update")
+
+    async def update_weights(self, update_info: dict) -> None:
+        # Concurrent on purpose: a collective transport (nccl) needs every receiver at once.
+        await self._fan_out("update_weights", update_info)
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.balancer.forget_prefixes()  # every engine reset its prefix cache for the new weights
+        await self._fan_out("finish_weight_update", weight_version)
+
+    async def abort_weight_update(self) -> bool:
+        return any(await self._fan_out("abort_weight_update"))
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self._fan_out("shutdown_weight_transfer_engine")
+
+    async def update_weight_version(self, new_version: str) -> None:
+        await self._fan_out("update_weight_version", new_version)
+
+    def _agreed_version(self, method: str, versions: list[str | None]) -> str | None:
+        if len(set(versions)) > 1:
+            serving = ", ".join(f"engine {i} serves {v!r}" for i, v in enumerate(versions))
+            raise WeightVersionMismatchError(f"{method}: the engines of the group disagree: {serving}")
+        return versions[0]
+
+    async def get_weight_version(self) -> str | None:
+        """The version every engine serves; WeightVersionMismatchError if they differ."""
+        return self._agreed_version("get_weight_version", await self._fan_out("get_weight_version"))
+
+    async def weight_info(self) -> dict:
+        """Engine 0's weight_info, once every engine is checked to serve the same version."""
+        infos = await self._fan_out("weight_info")
+        self._agreed_version("weight_info", [info["weight_version"] for info in infos])
+        return infos[0]
+
+    async def weight_checker(self, baseline: dict | None = None) -> dict:
+        """Engine 0's report with `match` true only if every engine matches the baseline,
+        `consistent` whether all engines hold the same checksums, and every report in `engines`."""
+        reports = await self._fan_out("weight_checker", baseline)
+        combined = dict(reports[0])
+        if "match" in combined:
+            combined["match"] = all(r.get("match") for r in reports)
+        combined["consistent"] = all(r.get("checksums") == reports[0].get("checksums") for r in reports)
+        combined["engines"] = reports
+        return combined
+
+    # ---- health, metrics, fault tolerance, lifecycle -----------------------------------------
+
+    @property
+    def is_dead(self) -> bool:
+        """True once any engine is dead (the group no longer does what its controls promise)."""
+        return any(engine.is_dead for engine in self.engines)
+
+    async def check_health(self) -> None:
+        for index, engine in enumerate(self.engines):
+            try:
+                await engine.check_health()
+            except EngineDeadError as e:
+                raise EngineDeadError(f"engine {index} of {self.num_engines}: {e}") from e
+
+    def prometheus_text(self) -> bytes:
+        return self.metrics.prometheus_text()
+
+    def get_metrics_snapshot(self) -> dict:
+        return self.metrics.snapshot()
+
+    async def fault_tolerance_status(self) -> dict:
+        """The worst engine's status ("dead" > "unhealthy" > "healthy"), with each engine's in `engines`."""
+        statuses = await self._fan_out("fault_tolerance_status")
+        worst = max(statuses, key=lambda s: _HEALTH_ORDER.get(s["status"], 0))
+        return {"status": worst["status"], "enabled": worst["enabled"], "engines": statuses}
+
+    async def apply_fault_tolerance_instruction(self, instruction: str) -> None:
+        """Sends the instruction to every engine ("retry" is a no-op on a healthy one)."""
+        await self._fan_out("apply_fault_tolerance_instruction", instruction)
+
+    async def inject_fault(self, kind: str = "step") -> None:
+        """Tests only: every engine's next step raises."""
+        await self._fan_out("inject_fault", kind)
+
+    def shutdown(self) -> None:
+        """Stops every engine; waiting callers get EngineDeadError."""
+        for engine in self.engines:
+            engine.shutdown()
+
+
+class _BalancerCollector:
+    """/metrics series of the group's own routing: requests routed and tokens outstanding per engine."""
+
+    def __init__(self, group: RolloutGroup) -> None:
+        self.group = group
+
+    def collect(self):
+        labels = ["model_name", "engine"]
+        routed = CounterMetricFamily(PREFIX + "dp_requests_routed", "Requests the group routed to each engine.", labels=labels)
+        outstanding = GaugeMetricFamily(
+            PREFIX + "dp_outstanding_tokens",
+            "Prompt + max new tokens of the requests in flight on each engine (what the balancer minimises).",
+            labels=labels,
+        )
+        balancer = self.group.balancer
+        for i in range(self.group.num_engines):
+            routed.add_metric([self.group.model_name, str(i)], balancer.num_routed[i])
+            outstanding.add_metric([self.group.model_name, str(i)], balancer.outstanding_tokens[i])
+        yield routed
+        yield outstanding
