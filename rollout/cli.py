@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from engine.config import ENGINE_CONFIG_SECTIONS
 from rollout.cli_args import add_dataclass_arguments, dataclass_kwargs
-from rollout.server.config import ServerConfig
+from rollout.server.config import DataParallelConfig, ServerConfig
 
 logger = logging.getLogger("rollout.cli")
 
@@ -25,8 +25,9 @@ def _check_unique_flags() -> None:
 
     from engine.engine_args import engine_arg_names
 
-    clash = set(engine_arg_names()) & {f.name for f in dataclasses.fields(ServerConfig)}
-    assert not clash, f"engine and server config share field names: {sorted(clash)}"
+    rollout_names = [f.name for cls in (ServerConfig, DataParallelConfig) for f in dataclasses.fields(cls)]
+    clash = set(engine_arg_names()) & set(rollout_names)
+    assert not clash and len(set(rollout_names)) == len(rollout_names), f"config field names clash: {sorted(clash)}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch = commands.add_parser(
         "launch",
         help="serve a model over an OpenAI-compatible HTTP API",
-        description="Starts the engine in its own process and an OpenAI-compatible HTTP server in front of it. "
+        description="Starts the engine in its own process (or --data-parallel-size engines, each in its own) and an "
+        "OpenAI-compatible HTTP server in front of it. "
         "Prints `rollout: serving MODEL at URL` once it accepts connections; SIGINT/SIGTERM stop both.",
     )
     tiny = ", ".join(sorted(BUILTIN_TINY_MODELS))
@@ -51,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
             required=("model",) if section == "model" else (),
             extra_help={"model": f"Or the name of a built-in tiny model ({tiny}), built offline on first use."},
         )
+    add_dataclass_arguments(launch, DataParallelConfig, "data parallel")
     add_dataclass_arguments(launch, ServerConfig, "server")
     launch.set_defaults(func=launch_command)
     return parser
@@ -71,6 +74,7 @@ def launch_command(args: argparse.Namespace) -> int:
         engine_kwargs.update(dataclass_kwargs(args, cls))
     try:
         server_config = ServerConfig(**dataclass_kwargs(args, ServerConfig))
+        dp_config = DataParallelConfig(**dataclass_kwargs(args, DataParallelConfig))
         served_name = server_config.served_model_name or engine_kwargs["model"]
         engine_kwargs["model"] = resolve_model(engine_kwargs["model"])
         # Validate the whole config here, so bad flags fail before any process starts.
@@ -85,7 +89,7 @@ def launch_command(args: argparse.Namespace) -> int:
             "--enable-rl-routes on %s without --api-key: anyone who reaches the port can pause the engine "
             "and replace its weights", server_config.host,
         )
-    return asyncio.run(_serve(engine_kwargs, server_config, served_name))
+    return asyncio.run(_serve(engine_kwargs, server_config, served_name, dp_config.data_parallel_size))
 
 
 class _Server:
@@ -124,8 +128,22 @@ class _Server:
         return host, port
 
 
-async def _serve(engine_kwargs: dict[str, Any], server_config: ServerConfig, served_name: str) -> int:
+def _start_engine(engine_kwargs: dict[str, Any], served_name: str, data_parallel_size: int):
+    """One AsyncLLM, or a RolloutGroup of data_parallel_size of them: the server cannot tell them apart."""
+    if data_parallel_size > 1:
+        from rollout.group import RolloutGroup
+
+        return RolloutGroup.from_engine_args(
+            data_parallel_size=data_parallel_size, multiprocess=True, model_name=served_name, **engine_kwargs
+        )
     from engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(multiprocess=True, model_name=served_name, **engine_kwargs)
+
+
+async def _serve(
+    engine_kwargs: dict[str, Any], server_config: ServerConfig, served_name: str, data_parallel_size: int = 1
+) -> int:
     from rollout.server.app import build_app
 
     loop = asyncio.get_running_loop()
@@ -133,7 +151,7 @@ async def _serve(engine_kwargs: dict[str, Any], server_config: ServerConfig, ser
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    engine = AsyncLLM.from_engine_args(multiprocess=True, model_name=served_name, **engine_kwargs)
+    engine = _start_engine(engine_kwargs, served_name, data_parallel_size)
     try:
         if stop.is_set():
             return 0

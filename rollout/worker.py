@@ -8,9 +8,16 @@
         worker.resume()
 
 It is an AsyncLLM (the engine in this process with multiprocess=False, or in its own process
-with multiprocess=True: same API) driven by a private event loop in a background thread, so
-plain scripts call the sync methods and asyncio code awaits `agenerate` / iterates `astream`
-from its own loop. The control methods have the names of the HTTP routes.
+with multiprocess=True: same API), or with data_parallel_size=N a RolloutGroup of N of them,
+driven by a private event loop in a background thread, so plain scripts call the sync methods
+and asyncio code awaits `agenerate` / iterates `astream` from its own loop. The control methods
+have the names of the HTTP routes.
+
+A trainer driver runs workers as Ray actors and syncs them all through one client:
+
+    actors = [RolloutWorker.as_ray_actor(model=DIR, num_gpus=1, placement_group=pg, bundle_index=i)
+              for i in range(2)]
+    client = RayWeightSyncClient(actors)      # every weight-sync call fans out to both
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from typing import Any, AsyncIterator, Coroutine, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Coroutine, Sequence, TypeVar
 
 from tqdm.auto import tqdm
 
@@ -26,6 +33,9 @@ from engine.async_llm import AsyncLLM
 from engine.outputs import RequestOutput
 from engine.processor import PromptType
 from engine.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    import ray.actor
 
 T = TypeVar("T")
 
@@ -40,23 +50,97 @@ class _Failed:
 
 
 class RolloutWorker:
-    """`RolloutWorker(model=DIR, *, multiprocess=False, **engine_args)`; engine_args as for LLM."""
+    """`RolloutWorker(model=DIR, *, multiprocess=False, data_parallel_size=1, **engine_args)`; engine_args as for LLM.
 
-    def __init__(self, model: str, *, multiprocess: bool = False, model_name: str | None = None, **engine_args: Any) -> None:
+    With data_parallel_size > 1 the worker drives a RolloutGroup (each engine in its own
+    process when multiprocess=True); get_world_size() then counts the workers of all engines.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        multiprocess: bool = False,
+        model_name: str | None = None,
+        data_parallel_size: int = 1,
+        **engine_args: Any,
+    ) -> None:
+        if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be a positive int, got {data_parallel_size!r}")
         self._ids = itertools.count()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-worker-loop", daemon=True)
         self._thread.start()
         self._closed = False
         try:
-            self.engine = AsyncLLM.from_engine_args(
-                multiprocess=multiprocess, model_name=model_name, model=model, **engine_args
-            )
+            if data_parallel_size > 1:
+                from rollout.group import RolloutGroup
+
+                self.engine = RolloutGroup.from_engine_args(
+                    data_parallel_size=data_parallel_size, multiprocess=multiprocess, model_name=model_name,
+                    model=model, **engine_args,
+                )
+            else:
+                self.engine = AsyncLLM.from_engine_args(
+                    multiprocess=multiprocess, model_name=model_name, model=model, **engine_args
+                )
         except BaseException:
             self._stop_loop()
             raise
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
+
+    @classmethod
+    def as_ray_actor(
+        cls,
+        model: str,
+        *,
+        num_cpus: float = 1,
+        num_gpus: float = 0,
+        placement_group: Any = None,
+        bundle_index: int = -1,
+        runtime_env: dict | None = None,
+        name: str | None = None,
+        ready_timeout_s: float | None = 600.0,
+        **worker_args: Any,
+    ) -> "ray.actor.ActorHandle":
+        """A RolloutWorker in its own Ray actor; returns the handle once its engine serves.
+
+        `placement_group` / `bundle_index` (-1: any bundle) pin the actor into a placement
+        group the trainer reserved; `worker_args` are RolloutWorker's (engine args,
+        multiprocess, data_parallel_size). Ray is started (ray.init()) if this process has
+        not connected yet. An engine that fails to start, or is not serving after
+        ready_timeout_s (None: no limit), kills the actor and raises.
+        """
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if num_cpus < 0:
+            raise ValueError(f"num_cpus must be >= 0, got {num_cpus}")
+        if num_gpus < 0:
+            raise ValueError(f"num_gpus must be >= 0, got {num_gpus}")
+        if bundle_index < -1:
+            raise ValueError(f"bundle_index must be >= -1 (-1: any bundle), got {bundle_index}")
+        if placement_group is None and bundle_index != -1:
+            raise ValueError("bundle_index: given without a placement_group")
+        options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+        if placement_group is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=placement_group,
+                placement_group_bundle_index=bundle_index,
+                placement_group_capture_child_tasks=True,
+            )
+        if runtime_env is not None:
+            options["runtime_env"] = runtime_env
+        if name is not None:
+            options["name"] = name
+        actor = ray.remote(cls).options(**options).remote(model, **worker_args)
+        try:
+            ray.get(actor.get_world_size.remote(), timeout=ready_timeout_s)
+        except BaseException:
+            ray.kill(actor)
+            raise
+        return actor
 
     # ---- plumbing ----------------------------------------------------------------------------
 

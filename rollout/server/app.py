@@ -223,7 +223,7 @@ async def _chat_prompt(state: ServerState, conversation: list[dict], add_generat
 
 
 def build_app(engine, server_config: ServerConfig, model_name: str | None = None) -> FastAPI:
-    """The server's FastAPI app over `engine` (an AsyncLLM); `model_name` overrides the served name."""
+    """The server's FastAPI app over `engine` (an AsyncLLM, or a RolloutGroup of them); `model_name` overrides the served name."""
     name = server_config.served_model_name or model_name or engine.model_name
     state = ServerState(engine, server_config, name, engine.config.model.max_model_len)
     app = FastAPI(title="rollout-toolkit", version=_version())
