@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from abc import ABC, abstractmethod
 from typing import Any, Callable
 
@@ -151,6 +152,8 @@ class RayWeightSyncClient(WeightSyncClient):
 
     init_info with a "rank_offset" is rewritten per engine so that their workers take
     consecutive ranks: engine i gets rank_offset + the world sizes of engines 0..i-1.
+    `timeout` (seconds, None: no limit) bounds each fan-out; a dead actor fails the call with a
+    WeightSyncError naming its index as soon as Ray reports it, never a hang.
     """
 
     def __init__(self, actors: list, timeout: float | None = 600.0) -> None:
@@ -169,18 +172,38 @@ class RayWeightSyncClient(WeightSyncClient):
         return list(self._world_sizes)
 
     def _gather(self, method: str, *args: Any, per_engine: list[tuple] | None = None) -> list[Any]:
+        """Calls `method` on every actor at once and waits (at most `timeout` s in all) for every answer.
+
+        The first failure to arrive is raised at once, naming the actor's index: a dead actor
+        or a failed call is a WeightSyncError, no answer in time a TimeoutError.
+        """
         import ray
 
         refs = [
             getattr(actor, method).remote(*(per_engine[i] if per_engine is not None else args))
             for i, actor in enumerate(self.actors)
         ]
-        try:
-            return ray.get(refs, timeout=self.timeout)
-        except ray.exceptions.RayTaskError as e:
-            raise WeightSyncError(f"{method}: {e.cause if getattr(e, 'cause', None) else e}") from e
-        except ray.exceptions.GetTimeoutError as e:
-            raise TimeoutError(f"{method}: no answer from every engine within {self.timeout} s") from e
+        index_of = {ref: i for i, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        pending = list(refs)
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if not done:
+                late = sorted(index_of[ref] for ref in pending)
+                raise TimeoutError(f"{method}: no answer from engine actor(s) {late} within {self.timeout} s")
+            i = index_of[done[0]]
+            try:
+                results[i] = ray.get(done[0])
+            except ray.exceptions.RayActorError as e:  # killed, crashed, or its node is gone
+                raise WeightSyncError(
+                    f"{method}: engine actor {i} of {len(refs)} is dead or unreachable ({type(e).__name__})"
+                ) from e
+            except ray.exceptions.RayTaskError as e:
+                cause = e.cause if getattr(e, "cause", None) else e
+                raise WeightSyncError(f"{method}: engine actor {i}: {cause}") from e
+        return results
 
     def _call(self, method: str, *args: Any) -> Any:
         if method == "init_weight_transfer_engine" and "rank_offset" in args[0]:
