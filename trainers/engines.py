@@ -249,13 +249,8 @@ class RayRolloutEngine:
 
         if not ray.is_initialized():
             ray.init(runtime_env=_ray_env(), include_dashboard=False)
-        actor = ray.remote(RolloutWorker).options(num_cpus=1, num_gpus=num_gpus).remote(model, **worker_args)
-        try:
-            ray.get(actor.get_world_size.remote(), timeout=timeout)
-            return cls(actor, model, owns_actor=True, timeout=timeout)
-        except BaseException:
-            ray.kill(actor)
-            raise
+        actor = RolloutWorker.as_ray_actor(model, num_cpus=1, num_gpus=num_gpus, ready_timeout_s=timeout, **worker_args)
+        return cls(actor, model, owns_actor=True, timeout=timeout)
 
     def _call(self, method: str, *args: Any) -> Any:
         import ray
