@@ -56,7 +56,12 @@ def override_attention_backend(name: str) -> Iterator[None]:
 
 
 class Attention(nn.Module):
-    """Paged multi-head attention with GQA; knows nothing about batching or CUDA graphs."""
+    """Paged multi-head attention with GQA; knows nothing about batching or CUDA graphs.
+
+    Under tensor parallelism every count is this rank's: num_heads query heads and the
+    num_kv_heads KV heads they read (see QKVLinear), so the KV cache the worker sizes from
+    num_kv_heads holds this rank's heads only.
+    """
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None):
         super().__init__()

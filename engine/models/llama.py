@@ -1,4 +1,4 @@
-"""Llama (incl. Llama-3 rope scaling) and Qwen2 causal LMs, as small variations of one decoder."""
+"""Llama (incl. Llama-3 rope scaling) and Qwen2 causal LMs, as small variations of one decoder (tensor parallel through its layers)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from torch import nn
 from engine.attention.layer import Attention
 from engine.models.layers import (
     LMHead,
-    Linear,
     MergedLinear,
     QKVLinear,
     RMSNorm,
+    RowParallelLinear,
     SiluAndMul,
     VocabEmbedding,
     get_rope,
@@ -33,14 +33,17 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         qkv_bias, o_bias = self._biases(config)
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, o_bias)
+        # Column parallel: this rank computes its query heads and the KV heads they read.
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, qkv_bias
+        )
+        # Head counts and sizes below are this rank's (the whole model's with one rank).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        # Row parallel: each rank's heads give a partial sum of the output, reduced inside.
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, o_bias)
         self.rotary_emb = get_rope(self.head_dim, config)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
@@ -48,7 +51,7 @@ class LlamaAttention(nn.Module):
         return q, k  # Qwen3 normalises each head here
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) * D]
+        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) * D], this rank's heads
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self._qk_norm(q, k)
         q, k = self.rotary_emb(positions, q, k)
@@ -66,11 +69,13 @@ class LlamaMLP(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act: {config.hidden_act!r} is not supported; supported: silu")
         bias = getattr(config, "mlp_bias", False)
+        # gate/up column parallel and down row parallel: the activation between them stays local.
         self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        # [T, 2 * I / tp] -> [T, I / tp] -> [T, hidden] (reduced over ranks)
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 

@@ -8,6 +8,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from engine.distributed import get_tp
+from engine.models.layers import hf_parts_of, load_part
 from engine.models.registry import resolve_model_class
 
 
@@ -48,14 +50,36 @@ def load_model(
     finally:
         torch.set_default_dtype(previous_dtype)
     if load_format == "dummy":
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02)
+        if get_tp().size == 1:
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.fill_(1.0)
+                else:
+                    param.normal_(0.0, 0.02)
+        else:
+            _dummy_shards(model)
         return model.eval()
     loaded = model.load_weights(iterate_safetensors(model_dir))
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} is missing parameters: {missing}")
     return model.eval()
+
+
+def _dummy_shards(model: nn.Module) -> None:
+    """Dummy weights under tensor parallelism: each rank draws every FULL tensor, exactly as one rank
+    would draw its parameter (same order, shape, device and seeded generator), and keeps its slice.
+
+    So every rank agrees on replicated weights, and the model equals the one-rank dummy model.
+    """
+    for name, param in model.named_parameters():
+        parts = hf_parts_of(param)
+        # A fused parameter (q/k/v, gate/up) is drawn whole, as one rank holds it: its parts stacked on dim 0.
+        full_shape = (sum(p.full_shape[0] for p in parts), *parts[0].full_shape[1:])
+        full = torch.empty(full_shape, dtype=param.dtype, device=param.device)
+        if "norm" in name:
+            full.fill_(1.0)
+        else:
+            full.normal_(0.0, 0.02)
+        for part, piece in zip(parts, full.split([p.full_shape[0] for p in parts])):
+            load_part(param, part, piece)
