@@ -6,6 +6,7 @@ TrainerWeightTransferEngine moves them and alone talks to the engine through a c
 (weight_transfer/clients.py). On the engine a WeightTransferEngine receives them. The worker
 (engine/worker/weight_update.py) drives it through one lifecycle:
 
+    bind_worker, bind_model                      once, when the transfer engine is created
     parse_init_info -> init_transfer            once, when the transfer engine is created
     start_update                                 once per weight update
     parse_update_info -> receive_weights         once per update_weights call (any number)
@@ -63,6 +64,17 @@ class WeightTransferEngine(ABC):
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        # This worker's place in its engine (tensor parallelism): set by bind_worker before init_transfer.
+        self.worker_rank, self.workers_per_engine = 0, 1
+
+    def bind_worker(self, worker_rank: int, workers_per_engine: int) -> None:
+        """Called once, before init_transfer, with this worker's rank among its engine's workers and
+        their number (the tensor-parallel rank and size). Every worker receives the full tensors;
+        a backend whose transport has one rank per worker (nccl) joins at its own rank."""
+        if not (isinstance(workers_per_engine, int) and workers_per_engine >= 1
+                and isinstance(worker_rank, int) and 0 <= worker_rank < workers_per_engine):
+            raise ValueError(f"worker_rank {worker_rank!r} is not in [0, workers_per_engine {workers_per_engine!r})")
+        self.worker_rank, self.workers_per_engine = worker_rank, workers_per_engine
 
     def bind_model(self, model: nn.Module) -> None:
         """Called once, before init_transfer, with the model this worker serves. A backend may plan

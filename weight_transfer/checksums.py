@@ -4,7 +4,9 @@ A checksum is the sha256 hex digest of "dtype|shape|" followed by the tensor's r
 `.contiguous().cpu()`: exact (one flipped bit shows), independent of memory layout and device,
 but dependent on dtype. So a trainer holding float32 master weights for a bfloat16 engine
 passes `dtype=torch.bfloat16` (the engine's dtype, see EngineCore.weight_info()): the cast
-rounds exactly as the engine's loader did when it copied the tensor in.
+rounds exactly as the engine's loader did when it copied the tensor in. Under tensor
+parallelism each engine rank checksums the slice it holds; hf_state_checksums(state,
+shards=<that rank's weight_info()>) cuts the full tensors the same way.
 """
 
 from __future__ import annotations
@@ -31,10 +33,42 @@ def tensor_checksum(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> s
 def hf_state_checksums(
     state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     dtype: torch.dtype | None = None,
+    shards: Mapping[str, Mapping] | None = None,
 ) -> dict[str, str]:
-    """{hf_name: checksum} of an HF model's state_dict (or (name, tensor) pairs), cast to `dtype` first if given."""
+    """{hf_name: checksum} of an HF model's state_dict (or (name, tensor) pairs), cast to `dtype` first if given.
+
+    shards: one engine rank's weight_info() ({hf_name: {"shard": {"dim", "start", "size"} or None, ...}});
+    each tensor is then cut to the slice that rank holds, giving the checksums that rank's
+    weight_checker() reports under tensor parallelism. Names it does not list are kept whole.
+    """
     items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
-    return {name: tensor_checksum(t, dtype) for name, t in items if not name.endswith(_IGNORED_SUFFIXES)}
+    if shards is not None and not isinstance(shards, Mapping):
+        raise ValueError(f"shards: expected a rank's weight_info() {{hf_name: {{'shard': ...}}}}, got {type(shards).__name__}")
+    out = {}
+    for name, t in items:
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if shards is not None and name in shards:
+            t = shard_of(t, shards[name], name)
+        out[name] = tensor_checksum(t, dtype)
+    return out
+
+
+def shard_of(tensor: torch.Tensor, info: Mapping | None, name: str = "tensor") -> torch.Tensor:
+    """The slice of a full tensor that a weight_info() entry's "shard" names (the tensor itself for None)."""
+    shard = info.get("shard") if isinstance(info, Mapping) else None
+    if shard is None:
+        return tensor
+    if not isinstance(shard, Mapping) or set(shard) != {"dim", "start", "size"}:
+        raise ValueError(f"shards[{name!r}].shard: expected {{'dim', 'start', 'size'}} or None, got {shard!r}")
+    dim, start, size = shard["dim"], shard["start"], shard["size"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (dim, start, size)):
+        raise ValueError(f"shards[{name!r}].shard: dim, start and size must be ints, got {dict(shard)!r}")
+    if not 0 <= dim < tensor.dim() or start < 0 or size < 0 or start + size > tensor.shape[dim]:
+        raise ValueError(
+            f"shards[{name!r}].shard: {dict(shard)} is outside the tensor of shape {list(tensor.shape)}"
+        )
+    return tensor.narrow(dim, start, size)
 
 
 def compare_checksums(

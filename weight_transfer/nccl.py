@@ -177,9 +177,8 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
-        # One worker per engine until the engine has tensor/pipeline parallelism; its worker
-        # would then pass its rank and the engine's worker count here.
-        self.worker_rank, self.workers_per_engine = 0, 1
+        # self.worker_rank, self.workers_per_engine: this worker's tensor-parallel rank and the
+        # engine's worker count (bind_worker, before parse_init_info), so each worker joins at its own rank.
         self.info: EngineInitInfo | None = None
         self.store = None
         self.keys: StoreKeys | None = None

@@ -21,19 +21,26 @@ the CPU, or not at all: `weight_update_rollback`), which makes two guarantees po
   - a transfer that fails (the backend raises: dead peer, timeout) restores every weight the
     update changed and ends the update (WeightTransferError names the tensor it was on).
 Copies are in place, so parameter addresses (and CUDA graphs that recorded them) stay valid.
+
+Tensor parallelism: every rank receives the FULL HF tensors (names, shapes and validation are
+those of the HF model) and lands only the slice it holds (HFSlot.shard_of; the loaders narrow
+the same way). weight_info() says which slice each rank holds; checksums() are of that slice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from engine.distributed import get_tp
 from engine.exceptions import WeightTransferError, WeightUpdateStateError
-from engine.models.layers import MergedLinear, QKVLinear
+from engine.models.layers import HFPart, hf_parts_of
 from weight_transfer.base import SparseWeightPatch, WeightTransferEngine, get_engine_backend
 from weight_transfer.checksums import compare_checksums, tensor_checksum
 
@@ -55,38 +62,87 @@ class _LandingPlan:
     checked: list[torch.Tensor] = field(default_factory=list)  # received floating tensors: the finite check
     checked_names: list[str] = field(default_factory=list)
     targets: list[str] = field(default_factory=list)  # landing names of dsts
-    dsts: list[torch.Tensor] = field(default_factory=list)  # flat views of the parameters (or fused rows)
-    srcs: list[torch.Tensor] = field(default_factory=list)  # flat views of the received tensors, same order
+    # Flat views of the parameters (or fused rows) and of the received tensors (this rank's slice),
+    # same order; a slice that is not contiguous (a row-parallel weight's columns) is kept as a view of equal shape.
+    dsts: list[torch.Tensor] = field(default_factory=list)
+    srcs: list[torch.Tensor] = field(default_factory=list)
     rest: list[tuple[str, "torch.Tensor | SparseWeightPatch"]] = field(default_factory=list)  # via the loaders
 
 
 @dataclass(frozen=True)
 class HFSlot:
-    """Where one HF-named tensor lives in the engine: a whole parameter, or rows of a fused one."""
+    """Where one HF-named tensor lives in the engine on this rank: a whole parameter, or rows of a
+    fused (or vocab-padded) one; and, under tensor parallelism, which slice of the full HF tensor
+    those hold.
+
+        full HF tensor (shape)  --narrow(shard_dim, shard_start, shard_size)-->  tensor()  (local_shape)
+    """
 
     param: nn.Parameter
     param_shape: tuple[int, ...]  # the parameter's shape when resident (sleep mode may swap its data for an empty tensor)
-    offset: int | None = None  # first row (dim 0) of the shard in a fused parameter; None: the whole parameter
-    size: int | None = None  # number of rows of the shard
+    offset: int | None = None  # first row (dim 0) of the local view in the parameter; None: the whole parameter
+    size: int | None = None  # number of rows of the local view
     alias_of: str | None = None  # tied weights: the HF name that owns the shared parameter
+    full_shape: tuple[int, ...] | None = None  # the HF tensor's shape; None: the local view's
+    shard_dim: int | None = None  # the full tensor's dim this rank holds a slice of; None: all of it (replicated)
+    shard_start: int | None = None
+    shard_size: int | None = None
 
     @property
-    def shape(self) -> tuple[int, ...]:
+    def local_shape(self) -> tuple[int, ...]:
         if self.offset is None:
             return self.param_shape
         return (self.size, *self.param_shape[1:])
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The full HF tensor's shape: what a trainer sends and validation checks."""
+        return self.full_shape if self.full_shape is not None else self.local_shape
+
+    @property
+    def shard(self) -> dict | None:
+        """{"dim", "start", "size"} of the full tensor this rank holds; None when it holds all of it."""
+        if self.shard_dim is None:
+            return None
+        return {"dim": self.shard_dim, "start": self.shard_start, "size": self.shard_size}
+
     def tensor(self) -> torch.Tensor:
+        """This rank's view of the weight in the parameter (local_shape)."""
         data = self.param.data
         return data if self.offset is None else data.narrow(0, self.offset, self.size)
 
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """The slice of a full HF tensor that lands in tensor() (a view; the tensor itself when replicated)."""
+        return full if self.shard_dim is None else full.narrow(self.shard_dim, self.shard_start, self.shard_size)
 
-def _shard_sizes(module: nn.Module) -> list[int]:
-    if isinstance(module, QKVLinear):
-        return [module.q_size, module.kv_size, module.kv_size]
-    if isinstance(module, MergedLinear):
-        return list(module.output_sizes)
-    raise TypeError(f"{type(module).__name__} is in packed_modules_mapping but has no known shard layout")
+    def local_indices(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat int64 positions in the full tensor of a sharded slot -> (positions in tensor() of those
+        this rank holds, the mask of which of `indices` those are).
+
+        With the full tensor viewed as [outer, full_shape[dim], inner], position i is at
+        (i // (n * inner), (i // inner) % n, i % inner); the rank holds the middle coordinates
+        [start, start + size).
+        """
+        n = self.shape[self.shard_dim]
+        inner = math.prod(self.shape[self.shard_dim + 1:])
+        coord = (indices // inner) % n
+        held = (coord >= self.shard_start) & (coord < self.shard_start + self.shard_size)
+        indices, coord = indices[held], coord[held]
+        local = (indices // (n * inner)) * (self.shard_size * inner) + (coord - self.shard_start) * inner + indices % inner
+        return local, held
+
+
+def _slot(param: nn.Parameter, part: HFPart) -> HFSlot:
+    slot = HFSlot(
+        param, tuple(param.shape),
+        offset=None if part.rows is None else part.offset, size=part.rows,
+        full_shape=part.full_shape, shard_dim=part.dim,
+        shard_start=None if part.dim is None else part.start, shard_size=None if part.dim is None else part.size,
+    )
+    if slot.local_shape != part.local_shape:  # a layer's parts disagree with its parameter
+        raise TypeError(f"parameter of shape {list(param.shape)}: its HF part {part} has local shape {list(part.local_shape)}, "
+                        f"but the view is {list(slot.local_shape)}")
+    return slot
 
 
 def hf_weight_layout(model: nn.Module) -> dict[str, HFSlot]:
@@ -94,27 +150,31 @@ def hf_weight_layout(model: nn.Module) -> dict[str, HFSlot]:
 
     A fused parameter `...qkv_proj.weight` appears as `...q_proj.weight`, `...k_proj.weight`,
     `...v_proj.weight` (its row blocks, in the mapping's order); a parameter shared under a
-    second name (a tied lm_head.weight) appears under both, the second as an alias.
+    second name (a tied lm_head.weight) appears under both, the second as an alias. Each
+    parameter says which slices of which HF tensors it holds (engine.models.layers.hf_parts_of).
     """
     mapping: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {})
-    modules = dict(model.named_modules())
     layout: dict[str, HFSlot] = {}
     owner_of: dict[int, str] = {}  # id(param) -> the HF name it was first seen under
     for param_name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in owner_of:
-            layout[param_name] = HFSlot(param, tuple(param.shape), alias_of=owner_of[id(param)])
+            owner = owner_of[id(param)]
+            layout[param_name] = dataclasses.replace(layout[owner], alias_of=owner)
             continue
         owner_of[id(param)] = param_name
         module_path = param_name.rpartition(".")[0]
         packed = module_path.rpartition(".")[2]
         sources = mapping.get(packed)
+        parts = hf_parts_of(param)
         if sources is None:
-            layout[param_name] = HFSlot(param, tuple(param.shape))
+            if len(parts) != 1:
+                raise TypeError(f"{param_name} fuses {len(parts)} tensors but is not in packed_modules_mapping")
+            layout[param_name] = _slot(param, parts[0])
             continue
-        offset = 0
-        for source, size in zip(sources, _shard_sizes(modules[module_path]), strict=True):
-            layout[param_name.replace(f".{packed}.", f".{source}.")] = HFSlot(param, tuple(param.shape), offset, size)
-            offset += size
+        if len(parts) != len(sources):
+            raise TypeError(f"{param_name}: packed_modules_mapping lists {sources}, but the parameter holds {len(parts)} tensors")
+        for source, part in zip(sources, parts):
+            layout[param_name.replace(f".{packed}.", f".{source}.")] = _slot(param, part)
     return layout
 
 
@@ -151,6 +211,8 @@ class WeightUpdater:
         if not isinstance(backend, str):
             raise ValueError(f"init_info.backend: expected a backend name, got {backend!r}")
         engine = get_engine_backend(backend)(self.device)
+        tp = get_tp()
+        engine.bind_worker(tp.rank, tp.size)  # every tensor-parallel worker receives the full tensors itself
         engine.bind_model(self.model)
         engine.init_transfer(engine.parse_init_info(init_info))
         if self.transfer_engine is not None:
@@ -277,14 +339,19 @@ class WeightUpdater:
             target = self._landing_name(n)
             if target is None:
                 continue
-            dst = self.layout[target].tensor()
-            if (isinstance(t, SparseWeightPatch) or t.dtype != dst.dtype or t.device.type != dst.device.type
-                    or not (dst.is_contiguous() and t.is_contiguous())):
+            slot = self.layout[target]
+            dst = slot.tensor()
+            if isinstance(t, SparseWeightPatch) or t.dtype != dst.dtype or t.device.type != dst.device.type:
                 plan.rest.append((target, t))  # through the model's loaders
-            else:
-                plan.targets.append(target)
+                continue
+            src = slot.shard_of(t)  # this rank's slice (t itself without tensor parallelism)
+            plan.targets.append(target)
+            if dst.is_contiguous() and src.is_contiguous():
                 plan.dsts.append(dst.view(-1))
-                plan.srcs.append(t.view(-1))
+                plan.srcs.append(src.view(-1))
+            else:  # e.g. a row-parallel weight's columns: a strided copy of the same shape
+                plan.dsts.append(dst)
+                plan.srcs.append(src)
         return plan
 
     def _check_metadata(self, name: str, tensor: torch.Tensor) -> None:
@@ -353,9 +420,16 @@ class WeightUpdater:
     def _land(self, name: str, item: torch.Tensor | SparseWeightPatch) -> None:
         with torch.no_grad():
             if isinstance(item, SparseWeightPatch):
-                # The HF slot is the loaders' inverse: the patched coordinates land in the right rows of a fused parameter.
-                flat = self.layout[name].tensor().view(-1)
-                flat[item.indices.to(flat.device, torch.long)] = item.values.to(flat.device, flat.dtype)
+                # The HF slot is the loaders' inverse: the patched coordinates (of the full tensor) land in
+                # the right rows of a fused parameter, and only those of this rank's slice land at all.
+                slot = self.layout[name]
+                flat = slot.tensor().view(-1)
+                indices = item.indices.to(flat.device, torch.long)
+                values = item.values.to(flat.device, flat.dtype)
+                if slot.shard_dim is not None:
+                    indices, held = slot.local_indices(indices)
+                    values = values[held]
+                flat[indices] = values
             else:
                 self.model.load_weights([(name, item)])
 
@@ -445,14 +519,18 @@ class WeightUpdater:
     # ---- inspection ----------------------------------------------------------------------------
 
     def weight_info(self) -> dict[str, dict]:
-        """{hf_name: {"shape": [...], "dtype": "bfloat16"}} for every weight, aliases included."""
+        """{hf_name: {"shape": [...], "dtype": "bfloat16", "shard": {"dim", "start", "size"} | None}} for
+        every weight, aliases included: shape is the full HF tensor's, shard the slice this rank holds
+        (None: all of it). weight_transfer.checksums.hf_state_checksums(state, shards=this) gives the
+        checksums this rank should report."""
         return {
-            name: {"shape": list(slot.shape), "dtype": _dtype_name(slot.param.dtype)}
+            name: {"shape": list(slot.shape), "dtype": _dtype_name(slot.param.dtype), "shard": slot.shard}
             for name, slot in self.layout.items()
         }
 
     def checksums(self) -> dict[str, str]:
-        """{hf_name: checksum} (weight_transfer.checksums.tensor_checksum) of every weight, fused ones per shard."""
+        """{hf_name: checksum} (weight_transfer.checksums.tensor_checksum) of every weight as this rank
+        holds it: fused ones per shard, tensor-parallel ones of this rank's slice only."""
         self._require_resident("weight_checker")
         return {name: tensor_checksum(slot.tensor()) for name, slot in self.layout.items()}
 

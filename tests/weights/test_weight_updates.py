@@ -166,7 +166,7 @@ def test_weight_info(llama):
     assert info["weight_version"] == llm.engine_core.get_weight_version()
     assert set(weights) == set(new_state)  # HF naming: q/k/v and gate/up, not the fused names
     for name, tensor in new_state.items():
-        assert weights[name] == {"shape": list(tensor.shape), "dtype": "float32"}, name
+        assert weights[name] == {"shape": list(tensor.shape), "dtype": "float32", "shard": None}, name
 
 
 def test_weight_checker_reports_missing_and_unexpected(llama):
