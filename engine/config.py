@@ -125,7 +125,15 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None
     """`uni` (one worker inside the engine process), `mp` (one process per rank), `ray` (Ray actors in a placement group, so an engine may span nodes); None: uni for one rank, mp for more."""
 
+    ray_placement_strategy: str = "PACK"
+    """The ray executor's placement group strategy: PACK (one node when it fits, else several), STRICT_PACK (one node only), SPREAD or STRICT_SPREAD."""
+
     def __post_init__(self) -> None:
+        if self.ray_placement_strategy not in ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"):
+            raise ValueError(
+                "ray_placement_strategy must be PACK, STRICT_PACK, SPREAD or STRICT_SPREAD, "
+                f"got {self.ray_placement_strategy!r}"
+            )
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {self.tensor_parallel_size!r}")

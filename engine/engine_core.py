@@ -18,7 +18,7 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.stats import SchedulerStats
 from engine.exceptions import EngineNotReadyError, WeightTransferError
-from engine.executor import UniProcExecutor
+from engine.executor import Executor, get_executor_class
 from engine.wire import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 
 logger = logging.getLogger(__name__)
@@ -28,14 +28,20 @@ class EngineCore:
     # Opaque label of the weights being served; stamped on every step's EngineCoreOutputs.
     weight_version: str = "default"
 
-    def __init__(self, config: EngineConfig, executor_class: type = UniProcExecutor) -> None:
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
+        """executor_class: None picks it from config.parallel (uni, mp or ray)."""
         assert config.model.max_model_len is not None, "resolve max_model_len before building the core"
         self.config = config
         self.max_model_len = config.model.max_model_len
         self.vocab_size = config.model.hf_config_dict()["vocab_size"]
-        self.executor = executor_class(config, self.max_model_len)
-        self.num_blocks = self.executor.determine_num_blocks()
-        self.executor.initialize_kv_cache(self.num_blocks)
+        self.executor = (executor_class or get_executor_class(config))(config, self.max_model_len)
+        try:
+            # Every rank sizes its cache; the smallest count is what all of them allocate.
+            self.num_blocks = self.executor.determine_num_blocks()
+            self.executor.initialize_kv_cache(self.num_blocks)
+        except BaseException:
+            self.executor.shutdown()  # no worker processes outlive a failed start
+            raise
         self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, self.num_blocks)
         self._fault_pending = False  # tests only: inject_fault() makes the next step raise
         # RL control plane (see "pause / sleep" below); the scheduler holds the resulting PauseState.
@@ -54,8 +60,10 @@ class EngineCore:
         """Admits a request, or raises ValueError naming what is wrong and changes nothing.
 
         EngineNotReadyError (retryable) while asleep, or paused in abort or wait mode; a
-        keep-mode pause queues the request and schedules it after resume().
+        keep-mode pause queues the request and schedules it after resume(). WorkerDiedError
+        (an EngineDeadError) once a worker is gone.
         """
+        self.executor.check_alive()  # a dead worker: EngineDeadError (WorkerDiedError) for every new request
         if self._asleep:
             raise EngineNotReadyError("the engine is asleep: no requests until wake_up()", reason="sleeping")
         validate_request(request, self.max_model_len, self.vocab_size)
@@ -77,6 +85,7 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() and self.scheduler.pause_state != PauseState.PAUSED_ALL
 
     def step(self) -> EngineCoreOutputs:
+        self.executor.check_alive()  # first: a dead executor leaves the scheduler and pending outputs as they were
         pending, self._pending_outputs = self._pending_outputs, []
         if self._can_schedule():
             scheduler_output = self.scheduler.schedule()
@@ -314,12 +323,22 @@ class EngineCore:
         self._set_weight_update_active(False)
 
     def weight_info(self) -> dict:
-        """{"weight_version": str, "weights": {hf_name: {"shape": [...], "dtype": str}}}."""
-        return {"weight_version": self.weight_version, "weights": self.executor.weight_info()}
+        """{"weight_version": str, "weights": {hf_name: {"shape": [...], "dtype": str, "shard": ...}}} (rank 0's),
+        plus "ranks": [each tensor-parallel rank's "weights"] when the engine has more than one rank."""
+        per_rank = self.executor.weight_info()
+        info = {"weight_version": self.weight_version, "weights": per_rank[0]}
+        if len(per_rank) > 1:
+            info["ranks"] = per_rank
+        return info
 
     def weight_checker(self, baseline: dict | None = None) -> dict:
         """{"weight_version", "checksums": {hf_name: sha256}}, plus match/mismatches/missing/unexpected vs `baseline`."""
         return {"weight_version": self.weight_version, **self.executor.weight_checker(baseline)}
+
+    def get_worker_pids(self) -> list[int]:
+        """Each tensor-parallel rank's worker pid (this process's for the in-process executor; a Ray
+        actor's pid is on its own node)."""
+        return list(self.executor.worker_pids)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

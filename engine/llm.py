@@ -31,6 +31,10 @@ class LLM:
         self.stat_loggers = StatLoggerManager(self.config, model_name=model)
         self.stat_loggers.log_engine_initialized()
 
+    def shutdown(self) -> None:
+        """Stops the engine's workers (worker processes or Ray actors, per distributed_executor_backend); idempotent."""
+        self.engine_client.shutdown()
+
     def get_tokenizer(self):
         return self.tokenizer
 

@@ -9,6 +9,8 @@ import torch
 from engine.attention.layer import Attention
 from engine.config import EngineConfig
 from engine.core.sched_output import SchedulerOutput
+from engine.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from engine.executor.base import baseline_for_rank
 from engine.models.loader import load_hf_config, load_model
 from engine.worker.model_runner import ModelRunner
 from engine.worker.runner_output import ModelRunnerOutput
@@ -38,15 +40,39 @@ def _available_host_memory() -> int:
     return 8 << 30
 
 
+def worker_device(device: str, rank: int, device_index: int | None = None) -> torch.device:
+    """The device of tensor-parallel `rank`: CPU, or CUDA index base + rank (base: the index in
+    "cuda:K", else the current device); device_index overrides it (a Ray actor sees one GPU as 0)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return dev
+    if device_index is not None:
+        return torch.device("cuda", device_index)
+    base = dev.index if dev.index is not None else torch.cuda.current_device()
+    return torch.device("cuda", base + rank)
+
+
 class Worker:
-    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
+    """One tensor-parallel rank's share of the engine: its device, model shard and KV cache."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        max_model_len: int,
+        rank: int = 0,
+        tp_size: int = 1,
+        init_method: str | None = None,
+        device_index: int | None = None,
+    ) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.device = torch.device(config.device.resolve())
+        self.rank = rank
+        self.tp_size = tp_size
+        self.device = worker_device(config.device.resolve(), rank, device_index)
         if self.device.type == "cuda":
-            if self.device.index is None:  # set_device needs an index; "cuda" means the current one
-                self.device = torch.device("cuda", torch.cuda.current_device())
-            torch.cuda.set_device(self.device)
+            torch.cuda.set_device(self.device)  # before NCCL: its communicator binds the current device
+        # The group first: model layers read get_tp() while they are built, to size their shards.
+        init_tensor_parallel(tp_size, rank, init_method, backend="nccl" if self.device.type == "cuda" else "gloo")
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         torch.manual_seed(config.model.seed)
 
@@ -142,7 +168,16 @@ class Worker:
         return self.weight_updater.weight_info()
 
     def weight_checker(self, baseline: dict | None = None) -> dict:
-        return self.weight_updater.weight_checker(baseline)
+        """This rank's checksums; a {"ranks": [...]} baseline is read at this rank's entry."""
+        return self.weight_updater.weight_checker(baseline_for_rank(baseline, self.rank))
+
+    def weights_consistent(self) -> bool:
+        """False while a failed transfer that could not roll back leaves the weights a mix."""
+        return self.weight_updater.consistent
+
+    def num_parameters(self) -> int:
+        """Parameter elements this rank holds (a tensor-parallel shard holds about 1/tp_size of most)."""
+        return sum(p.numel() for p in self.model.parameters())
 
     # ---- sleep / wake-up: engine/worker/sleep.py frees and restores the memory ----
 
@@ -165,3 +200,7 @@ class Worker:
         """Waits for every queued device operation (a no-op on CPU)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def shutdown(self) -> None:
+        """Leaves the tensor-parallel group (a worker process calls this before it exits)."""
+        destroy_tensor_parallel()

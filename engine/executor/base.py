@@ -1,0 +1,208 @@
+"""Executor: the engine core's handle on its workers (one per tensor-parallel rank), and how their answers combine."""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.core.sched_output import SchedulerOutput
+from engine.exceptions import EngineDeadError
+from engine.worker.runner_output import ModelRunnerOutput
+
+# The rank whose step results the engine uses. Every rank samples the same tokens (the logits
+# are gathered to all ranks and the seeded generators draw alike), so the others only ack.
+OUTPUT_RANK = 0
+
+
+class WorkerDiedError(EngineDeadError):
+    """A worker is gone for good (its process died, its Ray actor failed, or its group fell out of step)."""
+
+
+@dataclass
+class WorkerReply:
+    """One rank's answer to one call: its result, or the exception it raised and its traceback text."""
+
+    rank: int
+    result: Any = None
+    error: bytes | None = None  # the pickled exception (None: the call succeeded)
+    error_text: str = ""  # "ExcType: message", used when the exception does not unpickle
+    traceback: str = ""
+
+    @staticmethod
+    def failed(rank: int, exc: BaseException, traceback_text: str) -> WorkerReply:
+        try:
+            payload = pickle.dumps(exc)
+        except Exception:  # an exception holding something unpicklable travels as text
+            payload = None
+        return WorkerReply(rank, error=payload, error_text=f"{type(exc).__name__}: {exc}", traceback=traceback_text)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.error_text
+
+    def exception(self) -> BaseException:
+        """The worker's exception, of its own type where possible (callers catch ValueError,
+        WeightTransferError...), with a note naming the rank and the remote traceback."""
+        exc: BaseException
+        try:
+            exc = pickle.loads(self.error) if self.error is not None else RuntimeError(self.error_text)
+        except Exception:
+            exc = RuntimeError(self.error_text)
+        exc.add_note(f"raised in tensor-parallel worker rank {self.rank}; its traceback:\n{self.traceback}")
+        return exc
+
+
+def call_worker(worker: Any, rank: int, method: str, args: tuple, kwargs: dict, reply_rank: int | None) -> WorkerReply:
+    """Runs one call on this rank's worker (the worker side of collective_rpc); never raises."""
+    try:
+        if method.startswith("_"):
+            raise AttributeError(f"Worker method {method!r} is private")
+        result = getattr(worker, method)(*args, **kwargs)
+        return WorkerReply(rank, result if reply_rank in (None, rank) else None)
+    except Exception as e:
+        return WorkerReply.failed(rank, e, traceback.format_exc())
+
+
+def results_or_raise(replies: list[WorkerReply]) -> list[Any]:
+    """The per-rank results in rank order; the lowest failing rank's exception if any rank failed."""
+    replies = sorted(replies, key=lambda r: r.rank)
+    for reply in replies:
+        if not reply.ok:
+            raise reply.exception()
+    return [r.result for r in replies]
+
+
+class Executor(ABC):
+    """Runs one Worker per tensor-parallel rank and hands every call to all of them.
+
+    Subclasses implement collective_rpc, is_alive and shutdown; everything else is a collective
+    call whose per-rank answers combine here. Calls come from one thread (the engine core's loop).
+    """
+
+    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.world_size = config.parallel.tensor_parallel_size
+        self.dead_reason: str | None = None  # why the workers are gone, once they are
+        self.worker_pids: list[int] = []  # rank -> its worker's pid, once started
+
+    @abstractmethod
+    def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict | None = None, unique_reply_rank: int | None = None
+    ) -> list[Any]:
+        """Calls Worker.<method>(*args, **kwargs) on every rank and waits for all of them.
+
+        Returns the per-rank results in rank order; with unique_reply_rank only that rank sends
+        its result back (the others' entries are None). A worker's exception is re-raised here
+        (see WorkerReply.exception); a dead worker raises WorkerDiedError.
+        """
+
+    @abstractmethod
+    def is_alive(self) -> bool:
+        """False once a worker is gone for good; cheap enough to ask every loop iteration."""
+
+    def check_alive(self) -> None:
+        """Raises WorkerDiedError (an EngineDeadError) if a worker is gone."""
+        if not self.is_alive():
+            raise WorkerDiedError(self.dead_reason or "a worker of the engine is gone")
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stops the workers; idempotent, and never waits without a limit."""
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def determine_num_blocks(self) -> int:
+        """The KV blocks every rank can hold: ranks must agree, so the smallest wins."""
+        return min(self.collective_rpc("determine_num_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", (num_blocks,))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=OUTPUT_RANK)[OUTPUT_RANK]
+
+    def reset_requests(self) -> None:
+        """Drops every request's state in the workers (after a failed step)."""
+        self.collective_rpc("reset_requests")
+
+    # ---- weight updates: every rank lands its part; rank 0 answers for the engine ------------
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.collective_rpc("init_weight_transfer_engine", (init_info,))
+
+    def start_weight_update(self) -> None:
+        self.collective_rpc("start_weight_update")
+
+    def update_weights(self, update_info: dict) -> int:
+        return self.collective_rpc("update_weights", (update_info,))[OUTPUT_RANK]
+
+    def finish_weight_update(self) -> None:
+        self.collective_rpc("finish_weight_update")
+
+    def abort_weight_update(self) -> bool:
+        return self.collective_rpc("abort_weight_update")[OUTPUT_RANK]
+
+    def weights_consistent(self) -> bool:
+        return all(self.collective_rpc("weights_consistent"))
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.collective_rpc("shutdown_weight_transfer_engine")
+
+    def weight_info(self) -> list[dict]:
+        """Each rank's {hf_name: {"shape", "dtype", "shard"}} (shard: the slice of the HF tensor it holds)."""
+        return self.collective_rpc("weight_info")
+
+    def weight_checker(self, baseline: dict | None = None) -> dict:
+        """Rank 0's checksums (and comparison), plus "ranks": [each rank's] with more than one rank.
+
+        baseline: {hf_name: checksum} (every rank is compared with it) or {"ranks": [one such dict
+        per rank]}. "match" is true only if every rank matches its baseline.
+        """
+        check_rank_baseline(baseline, self.world_size)
+        combined = combine_rank_dicts(self.collective_rpc("weight_checker", (baseline,)))
+        if baseline is not None and self.world_size > 1:
+            combined["match"] = all(r["match"] for r in combined["ranks"])
+        return combined
+
+    # ---- sleep / wake-up (engine/worker/sleep.py) ----------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        self.collective_rpc("sleep", (level,))
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.collective_rpc("wake_up", (tags,))
+
+    def synchronize(self) -> None:
+        self.collective_rpc("synchronize")
+
+
+def combine_rank_dicts(per_rank: list[dict]) -> dict:
+    """Rank 0's dict, with "ranks": every rank's when there is more than one rank."""
+    combined = dict(per_rank[OUTPUT_RANK])
+    if len(per_rank) > 1:
+        combined["ranks"] = per_rank
+    return combined
+
+
+def check_rank_baseline(baseline: dict | None, world_size: int) -> None:
+    """ValueError unless baseline is None, a {name: checksum} dict, or {"ranks": [world_size dicts]}."""
+    if baseline is None:
+        return
+    if not isinstance(baseline, dict):
+        raise ValueError(f"baseline: expected a dict of checksums, got {type(baseline).__name__}")
+    if "ranks" in baseline:
+        ranks = baseline["ranks"]
+        if not isinstance(ranks, list) or len(ranks) != world_size or not all(isinstance(r, dict) for r in ranks):
+            raise ValueError(f"baseline: 'ranks' must be a list of {world_size} checksum dicts, one per rank")
+
+
+def baseline_for_rank(baseline: dict | None, rank: int) -> dict | None:
+    """The part of a weight_checker baseline (see Executor.weight_checker) that applies to `rank`."""
+    if baseline is None or "ranks" not in baseline:
+        return baseline
+    return baseline["ranks"][rank]

@@ -1,0 +1,35 @@
+"""UniProcExecutor: one Worker in the engine core's own process, called directly."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.executor.base import Executor
+
+
+class UniProcExecutor(Executor):
+    """One worker (tensor_parallel_size 1) in this process; its exceptions propagate unchanged."""
+
+    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
+        super().__init__(config, max_model_len)
+        if self.world_size != 1:
+            raise ValueError(
+                f"UniProcExecutor runs one worker; tensor_parallel_size={self.world_size} needs the mp or ray backend"
+            )
+        from engine.worker.worker import Worker  # torch enters here, not in engine/core
+
+        self.worker = Worker(config, max_model_len)
+        self.worker_pids = [os.getpid()]
+
+    def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict | None = None, unique_reply_rank: int | None = None
+    ) -> list[Any]:
+        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+
+    def is_alive(self) -> bool:
+        return True  # an in-process worker cannot die without the engine
+
+    def shutdown(self) -> None:
+        pass
