@@ -232,13 +232,16 @@ class AsyncLLM:
     @classmethod
     def _raise_if_refused(cls, output: RequestOutput) -> None:
         """Raises EngineNotReadyError for a request the engine refused (paused or asleep) before
-        generating anything, as the in-process engine does; other outputs pass."""
+        generating anything, as the in-process engine does, and EngineDeadError for one a dying
+        engine refused; other outputs pass."""
         completions = output.outputs
         if not completions or any(c.finish_reason != "error" or c.token_ids for c in completions):
             return
         message = completions[0].stop_reason
         if not isinstance(message, str):
             return
+        if message.startswith("EngineDeadError: "):  # refused by an engine that is going down (a worker died)
+            raise EngineDeadError(message.split(": ", 1)[1])
         message = message.removeprefix(f"{EngineNotReadyError.__name__}: ")
         for prefix, reason in cls._NOT_READY_MESSAGES.items():
             if message.startswith(prefix):
@@ -350,7 +353,8 @@ class AsyncLLM:
         return await self._control("weight_checker", baseline)
 
     async def get_world_size(self) -> int:
-        return 1  # one engine process, one device (no tensor parallelism yet)
+        """The engine's worker count: one per tensor-parallel rank."""
+        return self.config.parallel.tensor_parallel_size
 
     def shutdown(self) -> None:
         """Stops the engine; callers still waiting for output get EngineDeadError at once."""

@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
+from engine.exceptions import EngineDeadError
 from engine.wire import (
     FAULT_TOLERANCE_INSTRUCTIONS,
     EngineCoreOutput,
@@ -173,6 +174,9 @@ class InprocClient(SyncEngineCoreClient, AsyncEngineCoreClient):
                     raise
                 logger.exception("InprocClient: a step failed; the engine is unhealthy")
                 outputs = self._fail_in_flight(f"{type(e).__name__}: {e}")
+                if isinstance(e, EngineDeadError) or not self.engine_core.executor.is_alive():
+                    # A worker is gone: no retry can bring it back.
+                    self.status = outputs.engine_status = EngineStatus.DEAD
         else:
             outputs = EngineCoreOutputs(timestamp=time.time())
         if self._pending:

@@ -14,7 +14,8 @@ or FAILED with the traceback, then exits.
 
 Faults: the busy loop runs under a sentinel. When it raises, every in-flight request ends with
 finish reason ERROR and every client hears the new engine status. Without fault tolerance
-(or with the executor gone) the status is DEAD and the process exits non-zero; with it, the
+(or with the executor gone: a worker process or actor died, which the loop checks every
+iteration) the status is DEAD and the process exits non-zero; with it, the
 status is UNHEALTHY and the loop waits up to engine_recovery_timeout_sec for a `retry`
 instruction. The input threads answer FAULT_TOLERANCE messages themselves (the busy loop is
 blocked) and, while the engine is not HEALTHY, refuse new requests and utility calls at once.
@@ -43,6 +44,7 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
+from engine.exceptions import EngineDeadError
 from engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from engine.wire import (
     EngineCoreOutput,
@@ -153,6 +155,9 @@ class EngineCoreProc:
     def run_busy_loop(self) -> None:
         while self.running:
             try:
+                # A worker that dies while the engine idles ends it here, within one idle wait
+                # (_IDLE_WAIT_S); mid-step, the executor's own wait sees it.
+                self.engine_core.executor.check_alive()
                 self._process_input_queue()
                 self.engine_core.expire_idle_weight_update()
                 if self.running and self.engine_core.has_unfinished_requests():
@@ -193,7 +198,8 @@ class EngineCoreProc:
         except Exception as e:  # a bad request must not stop the engine: fail only that request
             # The reason travels in stop_reason, so the frontend can show it.
             logger.warning("EngineCoreProc: request %r refused: %s", request.request_id, e)
-            error = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=str(e))
+            reason = f"EngineDeadError: {e}" if isinstance(e, EngineDeadError) else str(e)  # the frontend raises it as such
+            error = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=reason)
             self._send(client_index, EngineCoreOutputs(outputs=[error], timestamp=time.time()))
             return
         self.req_clients[request.request_id] = client_index

@@ -46,8 +46,9 @@ class EngineCoreProcHandle:
             if self.proc is not None:
                 return
             ctx = multiprocessing.get_context("spawn")
-            # daemon: multiprocessing also terminates it at exit (a multi-process executor
-            # inside the engine would need daemon=False, since daemons may not have children).
+            # daemon: multiprocessing also terminates it at exit. (Daemons may not have children;
+            # the multi-process executor lifts that in the engine process: its workers watch
+            # their parent and exit with it, see engine/executor/multiproc.py.)
             self.proc = ctx.Process(
                 target=EngineCoreProc.run_engine_core,
                 args=(self.config, self.input_addresses, self.output_addresses, self.engine_index),
