@@ -344,10 +344,11 @@ class RolloutGroup:
         return self._agreed_version("get_weight_version", await self._fan_out("get_weight_version"))
 
     async def weight_info(self) -> dict:
-        """Engine 0's weight_info, once every engine is checked to serve the same version."""
+        """Engine 0's weight_info, once every engine is checked to serve the same version, with
+        every engine's in `engines` (each has its tensor-parallel ranks' slices under "ranks")."""
         infos = await self._fan_out("weight_info")
         self._agreed_version("weight_info", [info["weight_version"] for info in infos])
-        return infos[0]
+        return {**infos[0], "engines": infos}
 
     async def weight_checker(self, baseline: dict | None = None) -> dict:
         """Engine 0's report with `match` true only if every engine matches the baseline,
