@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import pickle
 import traceback
 from abc import ABC, abstractmethod
@@ -12,6 +13,8 @@ from engine.config import EngineConfig
 from engine.core.sched_output import SchedulerOutput
 from engine.exceptions import EngineDeadError
 from engine.worker.runner_output import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
 
 # The rank whose step results the engine uses. Every rank samples the same tokens (the logits
 # are gathered to all ranks and the seeded generators draw alike), so the others only ack.
@@ -109,6 +112,22 @@ class Executor(ABC):
         """Raises WorkerDiedError (an EngineDeadError) if a worker is gone."""
         if not self.is_alive():
             raise WorkerDiedError(self.dead_reason or "a worker of the engine is gone")
+
+    def _mark_dead(self, reason: str) -> None:
+        """Records why the workers are gone (the first reason wins) and stops the others."""
+        if self.dead_reason is None:
+            self.dead_reason = reason
+            logger.error("%s: %s; stopping the other workers", type(self).__name__, reason)
+        self.shutdown()
+
+    def _give_up(self, replies: list[WorkerReply], stuck_ranks: list[int]) -> None:
+        """A rank failed and the others never answered (stuck in a collective without it): stop
+        the group and raise the lowest failed rank's error."""
+        self._mark_dead(f"tensor-parallel worker ranks {stuck_ranks} stopped answering after another rank failed")
+        failed = min((r for r in replies if not r.ok), key=lambda r: r.rank)
+        error = failed.exception()
+        error.add_note(f"the engine's workers are stopped: {self.dead_reason}")
+        raise error
 
     @abstractmethod
     def shutdown(self) -> None:

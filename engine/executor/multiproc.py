@@ -17,7 +17,6 @@ handles whose lifetime the sender would have to manage.
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -33,8 +32,6 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.executor.base import Executor, WorkerDiedError, WorkerReply, call_worker, results_or_raise
-
-logger = logging.getLogger(__name__)
 
 _POLL_S = 1.0  # longest a wait for workers goes without checking that they are all alive
 # After one rank fails a call, how long the others get to answer: a rank still busy after that
@@ -126,20 +123,6 @@ class MultiprocExecutor(Executor):
     def _describe_death(self, rank: int) -> str:
         proc = self.procs[rank]
         return f"tensor-parallel worker rank {rank} (pid {proc.pid}) {_describe_exit(proc.exitcode)}"
-
-    def _give_up(self, replies: list[WorkerReply], stuck_ranks: list[int]) -> None:
-        """A rank failed and others never answered: stop the group and raise the failure."""
-        self._mark_dead(f"tensor-parallel worker ranks {stuck_ranks} stopped answering after another rank failed")
-        failed = min((r for r in replies if not r.ok), key=lambda r: r.rank)
-        error = failed.exception()
-        error.add_note(f"the engine's workers are stopped: {self.dead_reason}")
-        raise error
-
-    def _mark_dead(self, reason: str) -> None:
-        if self.dead_reason is None:
-            self.dead_reason = reason
-            logger.error("MultiprocExecutor: %s; stopping the other workers", reason)
-        self.shutdown()
 
     # ---- liveness and shutdown ---------------------------------------------------------------
 

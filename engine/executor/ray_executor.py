@@ -10,7 +10,6 @@ turns False and the call raises WorkerDiedError, as with a worker process.
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import time
@@ -19,8 +18,6 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.executor.base import Executor, WorkerDiedError, WorkerReply, call_worker, results_or_raise
-
-logger = logging.getLogger(__name__)
 
 _PLACEMENT_TIMEOUT_S = 120.0  # a placement group the cluster cannot hold must fail, not wait forever
 _POLL_S = 1.0
@@ -148,20 +145,8 @@ class RayExecutor(Executor):
                 if not raw and not result.ok and give_up_at is None:
                     give_up_at = time.monotonic() + error_grace_s
             if pending and give_up_at is not None and time.monotonic() >= give_up_at:
-                self._mark_dead(
-                    f"Ray worker ranks {sorted(pending.values())} stopped answering after another rank failed"
-                )
-                failed = min((r for r in results if not r.ok), key=lambda r: r.rank)
-                error = failed.exception()
-                error.add_note(f"the engine's workers are stopped: {self.dead_reason}")
-                raise error
+                self._give_up(results, sorted(pending.values()))
         return results
-
-    def _mark_dead(self, reason: str) -> None:
-        if self.dead_reason is None:
-            self.dead_reason = reason
-            logger.error("RayExecutor: %s; stopping the other actors", reason)
-        self.shutdown()
 
     def is_alive(self) -> bool:
         return self.dead_reason is None
