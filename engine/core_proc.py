@@ -27,6 +27,7 @@ The parent's side (addresses, starting and stopping the process) is core_proc_ha
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -438,6 +439,8 @@ class EngineCoreProc:
         # Ctrl-C reaches the whole process group; the frontend decides what happens, then
         # terminates us. (An engine dying first would turn its clean-up into EngineDeadError.)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # `kill -USR1 <pid>` prints every thread's stack to stderr: where a stuck engine waits.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         _exit_with_parent()
         proc = None
         exit_code = 0

@@ -17,6 +17,7 @@ handles whose lifetime the sender would have to manage.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -196,6 +197,7 @@ def _worker_main(
     """A worker process: builds the Worker, then runs calls from the pipe until it closes."""
     _exit_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle, not ours
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
     import torch  # after the signal set-up: importing torch takes a while
 
     from engine.worker.worker import Worker

@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import time
 from collections import defaultdict
 
 import numpy as np
@@ -209,6 +210,24 @@ def test_two_async_clients_on_one_engine_get_only_their_outputs(config, referenc
         _assert_same(result, reference, [r.request_id for r in reqs])
     # Shutdown leaves no engine process behind.
     assert pid not in _child_pids() and _process_gone(pid)
+
+
+def test_sigusr1_prints_every_engine_thread_and_the_engine_keeps_serving(config, capfd):
+    # The way to see where a stuck engine waits (faulthandler in the engine process). The
+    # engine starts inside the test, so that its stderr is the captured one.
+    client = SyncMPClient(config)
+    try:
+        capfd.readouterr()
+        os.kill(client.engine.proc.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 30
+        err = ""
+        while "run_busy_loop" not in err and time.monotonic() < deadline:
+            time.sleep(0.1)
+            err += capfd.readouterr().err
+        assert "run_busy_loop" in err and err.count("Thread 0x") >= 2  # the busy loop and the socket threads
+        assert client.call_utility("reset_prefix_cache") is True
+    finally:
+        client.shutdown()
 
 
 def test_killed_engine_raises_engine_dead_error_in_waiters(config):
