@@ -13,13 +13,17 @@ changed weights; the engine's version is checked after every sync and its checks
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import gc
 import json
 import os
 import platform
 import socket
+import signal
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -47,6 +51,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--skip-checksums", action="store_true",
                    help="skip the final checksum comparison (always skipped above 4 GB of weights)")
+    p.add_argument("--stuck-dump-s", type=float, default=60.0,
+                   help="a sync still running after this many seconds prints every thread's stack of this process "
+                        "and (SIGUSR1) of the engine's processes, then goes on; 0: never")
     p.add_argument("--json-out", default="benchmarks/out/weight_sync.json")
     return p.parse_args()
 
@@ -180,6 +187,34 @@ class Engine:
             self.worker.shutdown()
 
 
+@contextlib.contextmanager
+def stuck_dump(after_s: float, what: str):
+    """Prints where everything waits if the block runs longer than after_s: this process's threads,
+    and the engine's processes' (they print their stacks on SIGUSR1)."""
+
+    def dump() -> None:
+        import psutil
+
+        print(f"*** {what} still running after {after_s:g} s: stacks follow", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                # Engine processes and their workers (multiprocessing spawn children) print their stacks on
+                # SIGUSR1; for any other process (the resource tracker) it would be fatal.
+                if "spawn_main" in " ".join(child.cmdline()):
+                    os.kill(child.pid, signal.SIGUSR1)
+
+    timer = threading.Timer(after_s, dump) if after_s > 0 else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    try:
+        yield
+    finally:
+        if timer is not None:
+            timer.cancel()
+
+
 def bench_one(backend: str, model: str, args) -> dict:
     from weight_transfer import StateDictSource, trainer_init
     from weight_transfer.checksums import hf_state_checksums
@@ -197,7 +232,8 @@ def bench_one(backend: str, model: str, args) -> dict:
         trainer = trainer_init(init_info_for(backend, args, engine.client.get_world_size()),
                                client=engine.client, source=source)
         start = time.perf_counter()
-        warm = trainer.send_weights(weight_version="warmup")
+        with stuck_dump(args.stuck_dump_s, f"{backend} {model} warm-up sync"):
+            warm = trainer.send_weights(weight_version="warmup")
         warm_s = time.perf_counter() - start
         fraction = args.sparse_fraction if backend == "sparse_nccl" else 1.0
         times, sent = [], []
@@ -206,7 +242,8 @@ def bench_one(backend: str, model: str, args) -> dict:
             if args.device == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            stats = trainer.send_weights(weight_version=f"v{i}")
+            with stuck_dump(args.stuck_dump_s, f"{backend} {model} sync {i}"):
+                stats = trainer.send_weights(weight_version=f"v{i}")
             times.append(time.perf_counter() - start)
             sent.append(stats.bytes_sent)
             assert engine.client.get_weight_version() == f"v{i}", "the engine serves the new version"
