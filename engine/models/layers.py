@@ -28,6 +28,11 @@ class HFPart:
     Rows [offset, offset + rows) of the parameter (dim 0; rows None: the whole parameter) hold
     full.narrow(dim, start, size) of the HF tensor, whose shape is full_shape. dim None: the rank
     holds the whole tensor (a replicated weight, or no tensor parallelism).
+
+    A stacked parameter (the experts of a MoE layer, [num_experts, ...]) holds one HF tensor per
+    entry of its dim 0: `index` picks that entry first, and offset/rows then count rows of the
+    entry. Such a part also says its HF name relative to the parameter's module (`name`, e.g.
+    "3.gate_proj.weight"), because it cannot be derived from the parameter's own name.
     """
 
     full_shape: tuple[int, ...]
@@ -36,6 +41,8 @@ class HFPart:
     dim: int | None = None
     start: int = 0
     size: int = 0
+    index: int | None = None
+    name: str | None = None
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -46,6 +53,8 @@ class HFPart:
 
     def local_view(self, data: torch.Tensor) -> torch.Tensor:
         """The part of a parameter's data this HF tensor lands in."""
+        if self.index is not None:
+            data = data.select(0, self.index)
         return data if self.rows is None else data.narrow(0, self.offset, self.rows)
 
     def slice_of(self, full: torch.Tensor) -> torch.Tensor:
@@ -55,7 +64,7 @@ class HFPart:
 
 def make_part(
     full_shape: tuple[int, ...], dim: int | None = None, start: int = 0, size: int | None = None,
-    offset: int = 0, rows: int | None = None,
+    offset: int = 0, rows: int | None = None, index: int | None = None, name: str | None = None,
 ) -> HFPart:
     """An HFPart; a "slice" that covers the whole dimension is stored as dim None (nothing to cut)."""
     full_shape = tuple(int(n) for n in full_shape)
@@ -63,7 +72,8 @@ def make_part(
         size = full_shape[dim] if size is None else size
         if start == 0 and size == full_shape[dim]:
             dim, size = None, 0
-    return HFPart(full_shape, offset, rows, dim, start if dim is not None else 0, size if dim is not None else 0)
+    return HFPart(full_shape, offset, rows, dim, start if dim is not None else 0, size if dim is not None else 0,
+                  index, name)
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -80,10 +80,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, attention_cls: type[LlamaAttention]):
+    def __init__(self, config, attention_cls: type[LlamaAttention], mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = attention_cls(config)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config) if mlp is None else mlp  # [T, hidden] -> [T, hidden]
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -101,11 +101,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, attention_cls: type[LlamaAttention]):
+    def __init__(self, config, attention_cls: type[LlamaAttention],
+                 make_mlp: Callable[[object, int], nn.Module] | None = None):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        # make_mlp(config, layer_idx): the MLP of each layer (MoE families mix sparse and dense ones).
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attention_cls) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, attention_cls, None if make_mlp is None else make_mlp(config, i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -129,9 +132,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = LlamaModel(config, self.attention_cls)
+        self.model = LlamaModel(config, self.attention_cls, self.make_mlp)
         tied = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_embedding=tied)
+
+    def make_mlp(self, config, layer_idx: int) -> nn.Module:
+        """The MLP of decoder layer `layer_idx` (called while the model is built)."""
+        return LlamaMLP(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens] int64 (all requests flattened) -> [num_tokens, hidden]."""

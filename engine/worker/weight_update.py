@@ -12,8 +12,9 @@ Lifecycle (enforced; misuse raises WeightUpdateStateError, bad input ValueError)
 Landing streams: the call's announced metadata is checked before anything is received; then
 each (name, tensor or SparseWeightPatch) the backend yields is checked (known HF name, that
 name's shape, a floating dtype, finite values) and landed through the model's own weight
-loaders (`model.load_weights`, which maps q/k/v and gate/up onto the fused parameters) before
-the next one is pulled, so a backend can reuse its receive buffer and memory stays bounded.
+loaders (`model.load_weights`, which maps q/k/v and gate/up onto the fused parameters, and a
+MoE layer's per-expert tensors onto its stacked expert parameters) before the next one is
+pulled, so a backend can reuse its receive buffer and memory stays bounded.
 Before a weight is first overwritten in an update its old value is kept (on the device, on
 the CPU, or not at all: `weight_update_rollback`), which makes two guarantees possible:
   - a call that fails validation restores what it changed ("no weight was changed") and the
@@ -80,7 +81,8 @@ class HFSlot:
 
     param: nn.Parameter
     param_shape: tuple[int, ...]  # the parameter's shape when resident (sleep mode may swap its data for an empty tensor)
-    offset: int | None = None  # first row (dim 0) of the local view in the parameter; None: the whole parameter
+    index: int | None = None  # a stacked parameter's (MoE experts) entry on dim 0 that holds the tensor; None: not stacked
+    offset: int | None = None  # first row (dim 0) of the local view in the parameter (in the entry); None: all of it
     size: int | None = None  # number of rows of the local view
     alias_of: str | None = None  # tied weights: the HF name that owns the shared parameter
     full_shape: tuple[int, ...] | None = None  # the HF tensor's shape; None: the local view's
@@ -90,9 +92,10 @@ class HFSlot:
 
     @property
     def local_shape(self) -> tuple[int, ...]:
+        shape = self.param_shape if self.index is None else self.param_shape[1:]
         if self.offset is None:
-            return self.param_shape
-        return (self.size, *self.param_shape[1:])
+            return shape
+        return (self.size, *shape[1:])
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -109,6 +112,8 @@ class HFSlot:
     def tensor(self) -> torch.Tensor:
         """This rank's view of the weight in the parameter (local_shape)."""
         data = self.param.data
+        if self.index is not None:
+            data = data.select(0, self.index)
         return data if self.offset is None else data.narrow(0, self.offset, self.size)
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
@@ -134,7 +139,7 @@ class HFSlot:
 
 def _slot(param: nn.Parameter, part: HFPart) -> HFSlot:
     slot = HFSlot(
-        param, tuple(param.shape),
+        param, tuple(param.shape), index=part.index,
         offset=None if part.rows is None else part.offset, size=part.rows,
         full_shape=part.full_shape, shard_dim=part.dim,
         shard_start=None if part.dim is None else part.start, shard_size=None if part.dim is None else part.size,
@@ -151,7 +156,10 @@ def hf_weight_layout(model: nn.Module) -> dict[str, HFSlot]:
     A fused parameter `...qkv_proj.weight` appears as `...q_proj.weight`, `...k_proj.weight`,
     `...v_proj.weight` (its row blocks, in the mapping's order); a parameter shared under a
     second name (a tied lm_head.weight) appears under both, the second as an alias. Each
-    parameter says which slices of which HF tensors it holds (engine.models.layers.hf_parts_of).
+    parameter says which slices of which HF tensors it holds (engine.models.layers.hf_parts_of);
+    parts that name themselves (a MoE layer's stacked experts: `...experts.w13_weight` holds
+    `...experts.{e}.gate_proj.weight` and `...experts.{e}.up_proj.weight` for every expert e)
+    appear under `<module path>.<part name>`.
     """
     mapping: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {})
     layout: dict[str, HFSlot] = {}
@@ -166,6 +174,10 @@ def hf_weight_layout(model: nn.Module) -> dict[str, HFSlot]:
         packed = module_path.rpartition(".")[2]
         sources = mapping.get(packed)
         parts = hf_parts_of(param)
+        if parts[0].name is not None:  # the parts name their HF tensors themselves
+            for part in parts:
+                layout[f"{module_path}.{part.name}"] = _slot(param, part)
+            continue
         if sources is None:
             if len(parts) != 1:
                 raise TypeError(f"{param_name} fuses {len(parts)} tensors but is not in packed_modules_mapping")
