@@ -36,7 +36,8 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
     built = {name: ENGINE_CONFIG_SECTIONS[name](**args) for name, args in sections.items()}
     model = built["model"]
 
-    limit = model.hf_config_dict().get("max_position_embeddings")
+    hf_config = model.hf_config_dict()
+    limit = hf_config.get("max_position_embeddings")
     if model.max_model_len is None:
         if limit is None:
             raise ValueError("max_model_len: config.json has no max_position_embeddings; pass max_model_len")
@@ -45,4 +46,15 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
         raise ValueError(
             f"max_model_len: {model.max_model_len} exceeds the model's max_position_embeddings={limit}"
         )
+    num_experts = next((hf_config[k] for k in _NUM_EXPERTS_KEYS if hf_config.get(k)), 0)
+    tp_size = built["parallel"].tensor_parallel_size
+    if num_experts and tp_size > 1:  # checked here too, so no worker process is started for nothing
+        raise ValueError(
+            f"tensor_parallel_size: {hf_config.get('architectures')} is a mixture-of-experts model ({num_experts} experts), "
+            f"which runs with tensor_parallel_size 1 only for now (expert parallelism is not implemented yet); got {tp_size}"
+        )
     return EngineConfig(**built)
+
+
+# config.json keys that give a mixture-of-experts model's number of routed experts (Qwen-MoE, Mixtral, DeepSeek).
+_NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")

@@ -49,8 +49,11 @@ CORPUS = [
     "Tiny models are useful for tests because they load in milliseconds and run on any laptop CPU.",
 ]
 
-_CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 _DEFAULT_SHAPES = dict(
     hidden_size=64,
@@ -65,6 +68,11 @@ _ARCH_DEFAULTS = {
     "llama": dict(tie_word_embeddings=False),
     "qwen2": dict(tie_word_embeddings=True),
     "qwen3": dict(tie_word_embeddings=True, head_dim=32),
+    # Every layer sparse (override decoder_sparse_step / mlp_only_layers for dense ones, which use intermediate_size).
+    "qwen3_moe": dict(
+        tie_word_embeddings=False, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    ),
 }
 
 # name -> (arch, config overrides)
@@ -72,6 +80,7 @@ BUILTIN_TINY_MODELS: dict[str, tuple[str, dict]] = {
     "tiny-llama": ("llama", {}),
     "tiny-qwen2": ("qwen2", {}),
     "tiny-qwen3": ("qwen3", {}),
+    "tiny-qwen3-moe": ("qwen3_moe", {}),
     "tiny-llama3-rope": (
         "llama",
         {
@@ -132,14 +141,41 @@ def _reinit_weights(model: nn.Module) -> None:
                 module.weight.normal_(0.0, std)
                 if module.bias is not None:
                     module.bias.normal_(0.0, 0.1)
-        # Norm weights near 1 but not exactly, so a wrongly loaded norm shows up.
         for name, param in model.named_parameters():
             if "norm" in name and param.dim() == 1:
+                # Norm weights near 1 but not exactly, so a wrongly loaded norm shows up.
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif param.dim() == 3 or name.endswith("mlp.gate.weight"):
+                # Stacked MoE experts ([E, out, in]) and the router are not nn.Linear: give them the
+                # linear std too, so router logits spread (~1) and top-k choices are not float-noise ties.
+                param.normal_(0.0, 1.0 / math.sqrt(param.shape[-1]))
 
 
-def make_tiny_checkpoint(path, arch: str = "llama", *, seed: int = 0, dtype="float32", **config_overrides) -> str:
-    """Writes a tiny random checkpoint of `arch` ("llama", "qwen2", "qwen3") into `path` and returns it."""
+def _per_expert(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """transformers v5 keeps a MoE layer's experts stacked (`mlp.experts.gate_up_proj` [E, 2I, H],
+    `mlp.experts.down_proj` [E, H, I]); checkpoints on the hub (and save_pretrained) name them per
+    expert: `mlp.experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`."""
+    prefix, _, proj = name.rpartition(".")
+    if not prefix.endswith(".experts") or proj not in ("gate_up_proj", "down_proj"):
+        return [(name, tensor)]
+    out = []
+    for e, expert in enumerate(tensor):
+        if proj == "down_proj":
+            out.append((f"{prefix}.{e}.down_proj.weight", expert))
+        else:
+            gate, up = expert.chunk(2, dim=0)
+            out += [(f"{prefix}.{e}.gate_proj.weight", gate), (f"{prefix}.{e}.up_proj.weight", up)]
+    return out
+
+
+def make_tiny_checkpoint(
+    path, arch: str = "llama", *, seed: int = 0, dtype="float32", stacked_experts: bool = False, **config_overrides
+) -> str:
+    """Writes a tiny random checkpoint of `arch` ("llama", "qwen2", "qwen3", "qwen3_moe") into `path` and returns it.
+
+    MoE experts are written per expert, as hub checkpoints are; stacked_experts=True writes
+    transformers v5's in-memory stacked names instead.
+    """
     import transformers
     from safetensors.torch import save_file
 
@@ -177,7 +213,9 @@ def make_tiny_checkpoint(path, arch: str = "llama", *, seed: int = 0, dtype="flo
     for name, tensor in model.state_dict().items():
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue  # tied: stored once, as the embedding
-        state[name] = tensor.detach().to(torch_dtype).contiguous()
+        pieces = [(name, tensor)] if stacked_experts else _per_expert(name, tensor)
+        for piece_name, piece in pieces:
+            state[piece_name] = piece.detach().to(torch_dtype).contiguous()
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(str(path))
 

@@ -41,12 +41,14 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphRunner | None = None
 
     def capture_cuda_graphs(self) -> None:
-        """Captures the decode graphs, unless on CPU, enforce_eager, or the attention backend can't replay."""
+        """Captures the decode graphs, unless on CPU, enforce_eager, or the attention backend or the model can't replay."""
         from engine.attention.layer import get_attention_backend
 
         if self.device.type != "cuda" or self.config.model.enforce_eager:
             return
         if not getattr(get_attention_backend(), "SUPPORTS_CUDA_GRAPHS", False):
+            return
+        if not getattr(self.model, "supports_cuda_graphs", True):  # e.g. a model whose layers sync with the host
             return
         graphs = CudaGraphRunner(self.model, self.device, self.config.scheduler.max_num_seqs,
                                  self.max_num_blocks_per_req)

@@ -37,6 +37,8 @@ VARIANTS = {
     "qwen2-untied": ("qwen2", {"tie_word_embeddings": False}),
     "qwen3": ("qwen3", {}),
     "qwen3-untied": ("qwen3", {"tie_word_embeddings": False}),
+    "qwen3-moe": ("qwen3_moe", {}),
+    "qwen3-moe-dense-layer": ("qwen3_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1], "norm_topk_prob": False}),
 }
 
 

@@ -13,7 +13,7 @@ from engine.tiny_models import BUILTIN_TINY_MODELS, builtin_model_dir, make_tiny
 FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_checkpoint_loads_in_hf(tmp_path, arch):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -21,13 +21,23 @@ def test_checkpoint_loads_in_hf(tmp_path, arch):
     for name in FILES:
         assert os.path.exists(os.path.join(path, name)), name
     config = AutoConfig.from_pretrained(path)
-    expected_arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+    expected_arch = {
+        "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+    }[arch]
     assert config.architectures == [expected_arch] and resolve_model_class(config) is ARCHITECTURES[expected_arch]
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert config.vocab_size % 64 == 0 and config.vocab_size >= len(tokenizer)
     assert tokenizer.eos_token == "<|endoftext|>" and config.eos_token_id == tokenizer.eos_token_id
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         assert config.head_dim == 32 != config.hidden_size // config.num_attention_heads
+    if arch == "qwen3_moe":  # experts are stored per expert, as on the hub
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+            names = set(f.keys())
+        assert "model.layers.0.mlp.experts.7.gate_proj.weight" in names and "model.layers.0.mlp.gate.weight" in names
+        assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in names)
     model = AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad():
         logits = model(torch.tensor([tokenizer("Hello world")["input_ids"]])).logits
