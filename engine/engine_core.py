@@ -33,7 +33,9 @@ class EngineCore:
         assert config.model.max_model_len is not None, "resolve max_model_len before building the core"
         self.config = config
         self.max_model_len = config.model.max_model_len
-        self.vocab_size = config.model.hf_config_dict()["vocab_size"]
+        hf = config.model.hf_config_dict()
+        self.vocab_size = hf["vocab_size"]
+        self.has_routed_experts = has_routed_experts(hf)
         self.executor = (executor_class or get_executor_class(config))(config, self.max_model_len)
         try:
             # Every rank sizes its cache; the smallest count is what all of them allocate.
@@ -66,7 +68,7 @@ class EngineCore:
         self.executor.check_alive()  # a dead worker: EngineDeadError (WorkerDiedError) for every new request
         if self._asleep:
             raise EngineNotReadyError("the engine is asleep: no requests until wake_up()", reason="sleeping")
-        validate_request(request, self.max_model_len, self.vocab_size)
+        validate_request(request, self.max_model_len, self.vocab_size, self.has_routed_experts)
         self.scheduler.add_request(Request.from_engine_core_request(request))
 
     def abort_requests(self, req_ids: list[str]) -> list[EngineCoreOutput]:
@@ -348,7 +350,15 @@ class InjectedFault(RuntimeError):
     """The failure inject_fault() asked for (tests only)."""
 
 
-def validate_request(request: EngineCoreRequest, max_model_len: int, vocab_size: int) -> None:
+def has_routed_experts(hf_config: dict) -> bool:
+    """Whether a model (by its HF config) routes tokens to experts, i.e. can serve return_routed_experts."""
+    return any((hf_config.get(key) or 0) > 0 for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+def validate_request(
+    request: EngineCoreRequest, max_model_len: int, vocab_size: int, routed_experts: bool = False
+) -> None:
+    """Raises ValueError naming the bad field. routed_experts: the model has experts to report."""
     prompt = request.prompt_token_ids
     if not prompt:
         raise ValueError("prompt: the prompt is empty")
@@ -359,3 +369,7 @@ def validate_request(request: EngineCoreRequest, max_model_len: int, vocab_size:
     if min(prompt) < 0 or max(prompt) >= vocab_size:
         raise ValueError(f"prompt_token_ids: token ids must be in [0, {vocab_size})")
     request.sampling_params.validate_for_vocab(vocab_size)
+    if request.sampling_params.return_routed_experts and not routed_experts:
+        raise ValueError(
+            "return_routed_experts: the model has no mixture-of-experts layers, so there is no expert routing to return"
+        )

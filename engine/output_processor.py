@@ -115,6 +115,8 @@ class RequestState:
         self.num_sent_tokens = 0
         self.num_sent_chars = 0
         self.prompt_logprobs_sent = False
+        self.routed_experts: list[list[list[int]]] | None = [] if params.return_routed_experts else None
+        self.num_sent_routed = 0
 
     @property
     def finished(self) -> bool:
@@ -131,6 +133,8 @@ class RequestState:
             self.cumulative_logprob += sum(next(iter(row.values())).logprob for row in rows)  # chosen entry is first
         if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
             self.prompt_logprobs += self._logprob_dicts(out.new_prompt_logprobs, self.params.prompt_logprobs)
+        if out.new_routed_experts is not None and self.routed_experts is not None:
+            self.routed_experts += out.new_routed_experts.tolist()
         if out.finished:
             self.finish_reason, self.stop_reason = str(out.finish_reason), out.stop_reason
 
@@ -198,11 +202,15 @@ class RequestState:
         # most hold_back characters before the text of its step (see find_stop_string).
         num_visible = len(self.text) if finished else max(self.num_sent_chars, len(self.text) - self.hold_back)
         if self.output_kind == RequestOutputKind.DELTA:
-            start_tok, start_char = self.num_sent_tokens, self.num_sent_chars
+            start_tok, start_char, start_routed = self.num_sent_tokens, self.num_sent_chars, self.num_sent_routed
         else:
             # CUMULATIVE copies everything so far, so callers may keep earlier outputs unchanged.
-            start_tok, start_char = 0, 0
+            start_tok, start_char, start_routed = 0, 0, 0
         self.num_sent_tokens, self.num_sent_chars = len(self.token_ids), num_visible
+        routed = None
+        if self.routed_experts is not None:
+            routed = self.routed_experts[start_routed:]
+            self.num_sent_routed = len(self.routed_experts)
         return CompletionOutput(
             index=self.index,
             text=self.text[start_char:num_visible],
@@ -212,6 +220,7 @@ class RequestState:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             weight_versions=self._weight_spans_from(start_tok),
+            routed_experts=routed,
         )
 
     def take_prompt_logprobs(self, kind: RequestOutputKind) -> PromptLogprobs | None:
@@ -380,4 +389,5 @@ class OutputProcessor:
             token_ids=[],
             cumulative_logprob=0.0 if wants_logprobs else None,
             logprobs=[] if wants_logprobs else None,
+            routed_experts=[] if parent.sampling_params.return_routed_experts else None,
         )

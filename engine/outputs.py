@@ -35,6 +35,11 @@ class CompletionOutput:
     # (weight_version, start, end) spans over this output's token_ids (end exclusive, indices into
     # token_ids, so a DELTA output covers only its own tokens): which weights produced which tokens.
     weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
+    # return_routed_experts (MoE routing replay): [position][moe_layer][k] expert ids (best first) of
+    # every position of prompt + token_ids that went through the model, in order. The last sampled
+    # token never went through it, so a finished output holds len(prompt) + len(token_ids) - 1 rows
+    # (cumulative). A DELTA output holds only the rows new since the last one. None when not asked for.
+    routed_experts: list[list[list[int]]] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

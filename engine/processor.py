@@ -6,7 +6,7 @@ import time
 from typing import Any, Union
 
 from engine.config import EngineConfig
-from engine.engine_core import validate_request
+from engine.engine_core import has_routed_experts, validate_request
 from engine.sampling_params import SamplingParams
 from engine.wire import EngineCoreRequest
 
@@ -21,6 +21,7 @@ class Processor:
         self.max_model_len = config.model.max_model_len
         hf = config.model.hf_config_dict()
         self.vocab_size = hf["vocab_size"]
+        self.has_routed_experts = has_routed_experts(hf)
         eos = tokenizer.eos_token_id
         self.eos_token_id = eos if eos is not None else hf.get("eos_token_id")
 
@@ -41,7 +42,7 @@ class Processor:
             arrival_time=time.time(),
             priority=priority,
         )
-        validate_request(request, self.max_model_len, self.vocab_size)
+        validate_request(request, self.max_model_len, self.vocab_size, self.has_routed_experts)
         return text, request
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

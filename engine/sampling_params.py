@@ -65,6 +65,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     repetition_detection: RepetitionDetectionParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     detokenize: bool = True
+    # Mixture-of-experts models only: report the experts each token was routed to (routing replay),
+    # see CompletionOutput.routed_experts. Requests asking for it skip the prefix cache.
+    return_routed_experts: bool = False
     # Filled in by the frontend from the tokenizer (bad_words -> token id sequences).
     bad_words_token_ids: list[list[int]] | None = None
 
@@ -103,6 +106,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty")
+        if not isinstance(self.return_routed_experts, bool):
+            raise ValueError(f"return_routed_experts must be a bool, got {self.return_routed_experts!r}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         if self.temperature < _GREEDY_EPS:

@@ -91,6 +91,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # return_routed_experts: [n, num_moe_layers, top_k] int32 expert ids of the next n positions of
+    # prompt + output that went through the model since the last output (see Request.routed_experts).
+    new_routed_experts: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:

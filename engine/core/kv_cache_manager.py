@@ -64,8 +64,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """Longest cached prefix of full blocks, as (blocks, num_tokens). At most
         num_tokens - 1 tokens hit, so the last token is always computed (it yields the logits)."""
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            # Prompt logprobs need the logits of every prompt position: nothing may be skipped.
+        params = request.sampling_params
+        if not self.enable_caching or params.prompt_logprobs is not None or params.return_routed_experts:
+            # Prompt logprobs need the logits of every prompt position, routed experts the routing of
+            # every position (a cached block keeps KV, not routing): nothing may be skipped.
             return _NO_BLOCKS, 0
         self._update_block_hashes(request, request.num_tokens)
         max_num_hit_blocks = (request.num_tokens - 1) // self.block_size

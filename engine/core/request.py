@@ -69,6 +69,10 @@ class Request:
         self.num_preemptions = 0
         # Hashes of this request's full blocks, extended by the KV cache manager.
         self.block_hashes: list[int] = []
+        # return_routed_experts: routing of positions [0, num_routed_tokens) is known; the part not
+        # yet reported (numpy [n, layers, k] arrays, e.g. mid-prompt chunks) waits here.
+        self.num_routed_tokens = 0
+        self.pending_routed_experts: list = []
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> "Request":

@@ -8,6 +8,8 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 
+import numpy as np
+
 from engine.config import CacheConfig, SchedulerConfig
 from engine.control import PauseState
 from engine.core.kv_cache_manager import KVCacheManager
@@ -327,6 +329,9 @@ class Scheduler:
                 continue
             new_token_ids = model_runner_output.sampled_token_ids[row]
             prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
+            routed = model_runner_output.routed_experts.get(req_id)
+            if routed is not None:
+                _collect_routed_experts(request, *routed)
             if not new_token_ids and prompt_logprobs is None:
                 continue  # mid-prompt chunk: nothing to report
             for i, token_id in enumerate(new_token_ids):
@@ -343,6 +348,7 @@ class Scheduler:
                     finish_reason=request.get_finish_reason(),
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    new_routed_experts=_take_routed_experts(request) if new_token_ids else None,
                 )
             )
             if request.is_finished():
@@ -428,3 +434,21 @@ def _ends_in_repetition(token_ids: list[int], params: RepetitionDetectionParams)
         if token_ids[num_tokens - span :] == token_ids[num_tokens - size :] * params.min_count:
             return True
     return False
+
+
+def _collect_routed_experts(request: Request, start_pos: int, ids) -> None:
+    """Keeps the routing of positions not reported yet. A recompute (preemption, weight update)
+    runs positions again: their first routing, the one reported or waiting, is kept."""
+    skip = request.num_routed_tokens - start_pos
+    if skip < len(ids):
+        request.pending_routed_experts.append(ids[max(skip, 0):])
+        request.num_routed_tokens = start_pos + len(ids)
+
+
+def _take_routed_experts(request: Request):
+    """The routing waiting to be reported, as one [n, layers, k] array (None if nothing waits)."""
+    parts = request.pending_routed_experts
+    if not parts:
+        return None
+    request.pending_routed_experts = []
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)

@@ -39,6 +39,10 @@ class ModelRunner:
         self.max_num_blocks_per_req = max_num_blocks_per_req
         # Decode CUDA graphs (GPU only); captured by capture_cuda_graphs() once the KV cache exists.
         self.cuda_graphs: CudaGraphRunner | None = None
+        # Routing capture (return_routed_experts) is on only during steps with a request that asked
+        # for it: the capture copies [T, layers, k] ids to the host, which other steps need not pay.
+        self.supports_routed_experts = hasattr(model, "set_routing_capture")
+        self._capturing_routing = False
 
     def capture_cuda_graphs(self) -> None:
         """Captures the decode graphs, unless on CPU, enforce_eager, or the attention backend or the model can't replay."""
@@ -58,7 +62,7 @@ class ModelRunner:
     def _forward(self, batch: InputBatch) -> torch.Tensor:  # [T, hidden]
         """One forward pass: a graph replay for decode steps that fit a bucket, else eager."""
         graphs = self.cuda_graphs
-        if graphs is not None:
+        if graphs is not None and not self._capturing_routing:  # a graph replay captures nothing
             size = graphs.bucket_for(batch)
             if size is not None:
                 return graphs.replay(size, batch)
@@ -98,7 +102,9 @@ class ModelRunner:
         if sched.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
         batch = make_input_batch(self.state, sched, self.block_size)
+        routing_rows = self._set_routing_capture(batch)
         hidden = self._forward(batch)  # [T, hidden]
+        routed_experts = self._routed_experts(batch, routing_rows)
 
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
@@ -119,7 +125,39 @@ class ModelRunner:
             sampled_token_ids=sampled,
             logprobs=row_logprobs,
             prompt_logprobs=prompt_logprobs,
+            routed_experts=routed_experts,
         )
+
+    # ---- routed experts (MoE routing replay) ----------------------------------------------
+
+    def _set_routing_capture(self, batch: InputBatch) -> list[int]:
+        """Rows that asked for return_routed_experts; capture is switched on iff there are any."""
+        if not self.supports_routed_experts:
+            return []
+        rows = np.nonzero(self.state.return_routed_experts[batch.slots])[0].tolist()
+        if bool(rows) != self._capturing_routing:
+            self.model.set_routing_capture(bool(rows))
+            self._capturing_routing = bool(rows)
+        return rows
+
+    def _routed_experts(self, batch: InputBatch, rows: list[int]) -> dict[str, tuple[int, np.ndarray]]:
+        """Each requesting row's slice of the step's routing: its tokens are contiguous in the batch.
+
+            tokens:   | row 0 | row 1 ........ | row 2 |     ids [T, layers, k]
+                              ^ query_start_loc[1], at position seq_lens[1] - num_scheduled_tokens[1]
+        """
+        if not rows:
+            return {}
+        ids = self.model.routed_expert_ids()  # [T, num_moe_layers, top_k] int32
+        if ids is None:
+            return {}
+        ids = ids.cpu().numpy()
+        out: dict[str, tuple[int, np.ndarray]] = {}
+        for row in rows:
+            first, end = int(batch.query_start_loc[row]), int(batch.query_start_loc[row + 1])
+            start_pos = int(batch.seq_lens[row] - batch.num_scheduled_tokens[row])
+            out[batch.req_ids[row]] = (start_pos, ids[first:end])
+        return out
 
     # ---- sampling inputs ------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ class RequestState:
         self.frequency_penalty = torch.zeros(max_num_reqs, dtype=torch.float32)
         self.repetition_penalty = torch.ones(max_num_reqs, dtype=torch.float32)
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
+        self.return_routed_experts = np.zeros(max_num_reqs, dtype=bool)
 
         self.req_id_to_slot: dict[str, int] = {}
         self.slot_to_req_id: list[str | None] = [None] * max_num_reqs
@@ -65,6 +66,7 @@ class RequestState:
         self.presence_penalty[slot] = sp.presence_penalty
         self.frequency_penalty[slot] = sp.frequency_penalty
         self.repetition_penalty[slot] = sp.repetition_penalty
+        self.return_routed_experts[slot] = sp.return_routed_experts
         return slot
 
     def remove_request(self, req_id: str) -> None:
@@ -73,6 +75,7 @@ class RequestState:
             return
         self.slot_to_req_id[slot] = None
         self.sampling_params[slot] = None
+        self.return_routed_experts[slot] = False
         self._free_slots.append(slot)
 
     def append_block_ids(self, slot: int, block_ids: list[int]) -> None:

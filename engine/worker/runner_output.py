@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.wire import LogprobsLists
 
 
@@ -18,6 +20,9 @@ class ModelRunnerOutput:
     logprobs: list[LogprobsLists | None] | None = None
     # Prompt logprobs computed this step, per request that asked for them.
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Per request that asked for return_routed_experts: (position of its first token this step,
+    # [n, num_moe_layers, top_k] int32 expert ids of its n tokens processed this step).
+    routed_experts: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)
 
     @staticmethod
     def empty() -> "ModelRunnerOutput":

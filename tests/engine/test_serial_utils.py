@@ -143,3 +143,12 @@ def test_the_reuse_check_detects_an_untracked_buffer():
         push.close(linger=0)
         pull.close(linger=0)
         ctx.term()
+
+
+def test_routed_experts_round_trip():
+    routed = np.arange(3 * 2 * 2, dtype=np.int32).reshape(3, 2, 2)  # [tokens, moe_layers, top_k]
+    enc, dec = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
+    back = dec.decode(enc.encode(EngineCoreOutputs(outputs=[EngineCoreOutput("a", [7], new_routed_experts=routed)])))
+    got = back.outputs[0].new_routed_experts
+    assert got.dtype == np.int32 and got.shape == (3, 2, 2) and np.array_equal(got, routed)
+    assert dec.decode(enc.encode(EngineCoreOutputs(outputs=[EngineCoreOutput("a", [7])]))).outputs[0].new_routed_experts is None

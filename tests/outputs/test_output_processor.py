@@ -242,3 +242,31 @@ def test_duplicate_request_id_rejected(tokenizer):
     add(proc)
     with pytest.raises(ValueError, match="request_id"):
         add(proc)
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_routed_experts_follow_the_output_kind(tokenizer, kind):
+    proc = OutputProcessor(tokenizer)
+    add(proc, return_routed_experts=True, output_kind=kind)
+    add(proc, req_id="plain", output_kind=kind)
+    rows = lambda start, n: np.arange(start, start + n, dtype=np.int32).reshape(n, 1, 1).repeat(2, 1)  # [n, 2, 1]
+    # Prompt of 4 tokens: the first output carries the prompt's rows, each decode step one more row.
+    steps = [(rows(0, 4), [51], None), (rows(4, 1), [52], None), (rows(5, 1), [53], FinishReason.LENGTH)]
+    seen = []
+    for routed, ids, finish in steps:
+        res = proc.process_outputs([
+            EngineCoreOutput("r", ids, new_routed_experts=routed, finish_reason=finish),
+            EngineCoreOutput("plain", ids, finish_reason=finish),
+        ]).request_outputs
+        by_id = {ro.request_id: ro.outputs[0] for ro in res}
+        if "plain" in by_id:
+            assert by_id["plain"].routed_experts is None
+        if "r" in by_id:
+            seen.append(by_id["r"].routed_experts)
+    full = rows(0, 6).tolist()
+    if kind == RequestOutputKind.DELTA:
+        assert seen == [full[:4], full[4:5], full[5:6]]
+    elif kind == RequestOutputKind.CUMULATIVE:
+        assert seen == [full[:4], full[:5], full]
+    else:
+        assert seen == [full]
