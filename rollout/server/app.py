@@ -90,6 +90,7 @@ def _completion_choices(state: ServerState, outputs: list[RequestOutput], n: int
                     token_ids=list(c.token_ids) if return_token_ids else None,
                     weight_versions=list(c.weight_versions) if return_token_ids else None,
                     prompt_logprobs=F.prompt_logprobs_json(out.prompt_logprobs),
+                    routed_experts=c.routed_experts,
                 )
             )
     return sorted(choices, key=lambda ch: ch.index)
@@ -126,6 +127,7 @@ async def _stream_completions(
                         weight_versions=list(c.weight_versions) if body.return_token_ids else None,
                         # DELTA outputs carry the prompt logprobs once, in the first output.
                         prompt_logprobs=F.prompt_logprobs_json(out.prompt_logprobs),
+                        routed_experts=c.routed_experts,
                     )
                 )
             if choices:
@@ -170,6 +172,7 @@ async def _stream_chat(
                         stop_reason=c.stop_reason,
                         token_ids=list(c.token_ids) if body.return_token_ids else None,
                         weight_versions=list(c.weight_versions) if body.return_token_ids else None,
+                        routed_experts=c.routed_experts,
                     )
                 )
             if choices:
@@ -328,6 +331,7 @@ def _api_routes(state: ServerState) -> APIRouter:
                 stop_reason=c.stop_reason,
                 token_ids=list(c.token_ids) if body.return_token_ids else None,
                 weight_versions=list(c.weight_versions) if body.return_token_ids else None,
+                routed_experts=c.routed_experts,
             )
             for c in sorted(out.outputs, key=lambda c: c.index)
         ]

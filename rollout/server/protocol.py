@@ -92,6 +92,9 @@ class SamplingRequest(RequestModel):
     priority: int = 0
     return_token_ids: bool = False
     """Add prompt_token_ids and each choice's token_ids to the response (token in, token out)."""
+    return_routed_experts: bool = False
+    """MoE models: add each choice's routed_experts, [position][moe_layer][k] expert ids of prompt + output[:-1]
+    (routing replay; a stream sends each chunk's new positions, which concatenate to the whole)."""
 
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -133,6 +136,7 @@ class SamplingRequest(RequestModel):
                 else None
             ),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            return_routed_experts=self.return_routed_experts,
         )
 
     @property
@@ -289,6 +293,8 @@ class CompletionChoice(ResponseModel):
     # With return_token_ids: (weight_version, start, end) spans over token_ids (end exclusive).
     weight_versions: list[tuple[str, int, int]] | None = None
     prompt_logprobs: PromptLogprobsJSON | None = None
+    # return_routed_experts: [position][moe_layer][k] over prompt + token_ids[:-1] (CompletionOutput.routed_experts).
+    routed_experts: list[list[list[int]]] | None = None
 
 
 class CompletionResponse(ResponseModel):
@@ -328,6 +334,8 @@ class ChatChoice(ResponseModel):
     token_ids: list[int] | None = None
     # With return_token_ids: (weight_version, start, end) spans over token_ids (end exclusive).
     weight_versions: list[tuple[str, int, int]] | None = None
+    # return_routed_experts: [position][moe_layer][k] over prompt + token_ids[:-1] (CompletionOutput.routed_experts).
+    routed_experts: list[list[list[int]]] | None = None
 
 
 class ChatCompletionResponse(ResponseModel):
@@ -355,6 +363,8 @@ class ChatStreamChoice(ResponseModel):
     token_ids: list[int] | None = None
     # With return_token_ids: (weight_version, start, end) spans over token_ids (end exclusive).
     weight_versions: list[tuple[str, int, int]] | None = None
+    # return_routed_experts: [position][moe_layer][k] over prompt + token_ids[:-1] (CompletionOutput.routed_experts).
+    routed_experts: list[list[list[int]]] | None = None
 
 
 class ChatCompletionChunk(ResponseModel):

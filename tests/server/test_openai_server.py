@@ -185,6 +185,13 @@ def test_chat_return_token_ids(client, http):
     assert len(out.choices[0].model_extra["token_ids"]) == out.usage.completion_tokens
 
 
+def test_return_routed_experts_needs_a_moe_model(http):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "return_routed_experts": True}
+    _assert_error(http.post("/v1/completions", json=body), 400, "return_routed_experts")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "return_routed_experts": True}
+    _assert_error(http.post("/v1/chat/completions", json=body), 400, "return_routed_experts")
+
+
 # ---------------------------------------------------------------------------- other routes
 
 
