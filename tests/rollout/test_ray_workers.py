@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from safetensors.torch import load_file
@@ -96,6 +97,15 @@ def test_one_client_updates_both_actors_then_a_killed_actor_is_a_clear_error(act
         client.pause("later")
 
     ray.kill(actors[1])
+    # ray.kill is asynchronous: a call that reaches the actor before it is gone still answers.
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        try:
+            ray.get(actors[1].get_weight_version.remote(), timeout=TIMEOUT_S)
+        except ray.exceptions.RayActorError:
+            break
+        assert time.monotonic() < deadline, "the killed actor kept answering"
+        time.sleep(0.1)
     with pytest.raises(WeightSyncError, match=r"get_weight_version: engine actor 1 of 2 is dead"):
         client.get_weight_version()
     with pytest.raises(WeightSyncError, match="engine actor 1 of 2 is dead"):
