@@ -70,20 +70,6 @@ def copy_into(buffer: torch.Tensor, slot: PackSlot, tensor: torch.Tensor) -> Non
     buffer[slot.offset : slot.offset + slot.nbytes].copy_(src, non_blocking=True)
 
 
-def copy_many_into(buffer: torch.Tensor, slots: Sequence[PackSlot], tensors: Sequence[torch.Tensor]) -> None:
-    """copy_into for many tensors at once: one multi-tensor copy when all sit on the buffer's device."""
-    srcs = [as_bytes(t) for t in tensors]
-    for slot, src in zip(slots, srcs):
-        if src.numel() != slot.nbytes:
-            raise ValueError(f"pack slot {slot.index}: tensor has {src.numel()} bytes, the plan says {slot.nbytes}")
-    dsts = [buffer[slot.offset : slot.offset + slot.nbytes] for slot in slots]
-    if all(src.device == buffer.device for src in srcs):
-        torch._foreach_copy_(dsts, srcs)
-    else:
-        for dst, src in zip(dsts, srcs):
-            dst.copy_(src, non_blocking=True)
-
-
 def view_of(buffer: torch.Tensor, slot: PackSlot, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     """The tensor stored at `slot` of a uint8 buffer, as a view (no copy)."""
     return buffer[slot.offset : slot.offset + slot.nbytes].view(dtype).reshape(tuple(shape))
