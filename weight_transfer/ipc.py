@@ -519,7 +519,9 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         return WeightUpdateInfo(
             names, dtypes, shapes, extra={"pack": pack, "mapped": mapped, "slot": slot, "seq": seq,
                                           "views": mapped.views[layout]},
-            reuse_key=(slot, descriptor.gen, layout),
+            # Fresh buffers every sync (keep_buffers False) never repeat a key, and a kept landing plan
+            # would hold views of a released buffer, keeping its memory from the trainer: no key then.
+            reuse_key=(slot, descriptor.gen, layout) if self._settings.keep_buffers else None,
         )
 
     def _map(self, descriptor: _Descriptor, where: str, control: _Control) -> _Mapped:

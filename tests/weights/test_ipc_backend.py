@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import psutil
 import pytest
 import torch
 from sync_helpers import assert_engine_serves, http_greedy, trainer_model
@@ -64,6 +65,23 @@ class FaultySource(WeightSource):
 def _my_segments(pid: int | None = None) -> list[str]:
     prefix = f"wt-ipc-{os.getpid() if pid is None else pid}-"
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+
+
+def _mapped_by_server(server, exclude_control: bool = False) -> list[str]:
+    """Our /dev/shm segments that the server or any of its child processes still maps."""
+    prefix = f"{SHM_DIR}/wt-ipc-{os.getpid()}-"
+    root = psutil.Process(server.proc.pid)
+    found = set()
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            with open(f"/proc/{proc.pid}/maps") as f:
+                for line in f:
+                    path = line.split(maxsplit=5)[-1].strip().removesuffix(" (deleted)")
+                    if path.startswith(prefix) and not (exclude_control and path.endswith("-ctl")):
+                        found.add(path)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return sorted(found)
 
 
 def _checkpoint_and_version(url: str, baseline: dict) -> tuple[bool, str]:
@@ -250,6 +268,8 @@ def test_keep_buffers_false_frees_the_buffers_after_each_sync(server, trainer, m
     engine, _ = trainer(packed_num_buffers=1, keep_buffers=False)
     first = engine.send_weights(models[0], weight_version="nokeep-1")
     assert [n for n in _my_segments() if not n.endswith("-ctl")] == []  # freed as soon as the sync ended
+    # ...and unmapped in the engine: a mapping kept alive (e.g. by cached views) would hold the memory.
+    assert _mapped_by_server(server, exclude_control=True) == []
     second = engine.send_weights(models[1], weight_version="nokeep-2")
     assert_engine_serves(server.url, models[1], "nokeep-2")
     assert first.extra["num_exports"] == second.extra["num_exports"] == 2  # ring + oversize, every sync
