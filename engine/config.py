@@ -128,6 +128,20 @@ class ParallelConfig:
     ray_placement_strategy: str = "PACK"
     """The ray executor's placement group strategy: PACK (one node when it fits, else several), STRICT_PACK (one node only), SPREAD or STRICT_SPREAD."""
 
+    # ---- data parallelism: set per engine by the group that starts it (rollout.group.RolloutGroup) ----
+    data_parallel_size: int = 1
+    """Engines in the data-parallel group this engine belongs to (1: a standalone engine)."""
+    data_parallel_rank: int = 0
+    """This engine's index in its data-parallel group."""
+    enable_expert_parallel: bool = False
+    """Shard MoE experts over the data-parallel group's engines (EP size = data_parallel_size); the engines then step in lockstep."""
+    dp_sync_interval: int = 16
+    """Lockstep engines all-reduce (has unfinished work, ready to pause) every this many steps, and on the first step of each wave."""
+    data_parallel_master_ip: str = "127.0.0.1"
+    """Rendezvous host of the group's process groups."""
+    data_parallel_master_port: int = 0
+    """Rendezvous base port: the engine cores' DP sync group (gloo) at this port, the workers' EP group at port + 1; 0: unset (the group picks free ports)."""
+
     def __post_init__(self) -> None:
         if self.ray_placement_strategy not in ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"):
             raise ValueError(
@@ -141,8 +155,25 @@ class ParallelConfig:
             raise ValueError(
                 f"distributed_executor_backend must be uni, mp or ray, got {self.distributed_executor_backend!r}"
             )
+        for name in ("data_parallel_size", "dp_sync_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(self.data_parallel_rank, bool) or not isinstance(self.data_parallel_rank, int) \
+                or not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank must be in [0, {self.data_parallel_size}), got {self.data_parallel_rank!r}"
+            )
+        if isinstance(self.data_parallel_master_port, bool) or not isinstance(self.data_parallel_master_port, int) \
+                or not 0 <= self.data_parallel_master_port < 65535:
+            raise ValueError(f"data_parallel_master_port must be a port number, got {self.data_parallel_master_port!r}")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError("distributed_executor_backend=uni runs one worker; tensor_parallel_size > 1 needs mp or ray")
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether this engine steps in lockstep with the rest of its data-parallel group (expert parallelism)."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
 
     @property
     def executor_backend(self) -> str:

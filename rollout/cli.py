@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from engine.config import ENGINE_CONFIG_SECTIONS
 from rollout.cli_args import add_dataclass_arguments, dataclass_kwargs
-from rollout.server.config import DataParallelConfig, ServerConfig
+from rollout.server.config import ServerConfig
 
 logger = logging.getLogger("rollout.cli")
 
@@ -25,7 +25,7 @@ def _check_unique_flags() -> None:
 
     from engine.engine_args import engine_arg_names
 
-    rollout_names = [f.name for cls in (ServerConfig, DataParallelConfig) for f in dataclasses.fields(cls)]
+    rollout_names = [f.name for f in dataclasses.fields(ServerConfig)]
     clash = set(engine_arg_names()) & set(rollout_names)
     assert not clash and len(set(rollout_names)) == len(rollout_names), f"config field names clash: {sorted(clash)}"
 
@@ -53,7 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
             required=("model",) if section == "model" else (),
             extra_help={"model": f"Or the name of a built-in tiny model ({tiny}), built offline on first use."},
         )
-    add_dataclass_arguments(launch, DataParallelConfig, "data parallel")
     add_dataclass_arguments(launch, ServerConfig, "server")
     launch.set_defaults(func=launch_command)
     return parser
@@ -74,7 +73,6 @@ def launch_command(args: argparse.Namespace) -> int:
         engine_kwargs.update(dataclass_kwargs(args, cls))
     try:
         server_config = ServerConfig(**dataclass_kwargs(args, ServerConfig))
-        dp_config = DataParallelConfig(**dataclass_kwargs(args, DataParallelConfig))
         served_name = server_config.served_model_name or engine_kwargs["model"]
         engine_kwargs["model"] = resolve_model(engine_kwargs["model"])
         # Validate the whole config here, so bad flags fail before any process starts.
@@ -89,7 +87,8 @@ def launch_command(args: argparse.Namespace) -> int:
             "--enable-rl-routes on %s without --api-key: anyone who reaches the port can pause the engine "
             "and replace its weights", server_config.host,
         )
-    return asyncio.run(_serve(engine_kwargs, server_config, served_name, dp_config.data_parallel_size))
+    data_parallel_size = engine_kwargs.pop("data_parallel_size", 1)  # the group sets it on each engine
+    return asyncio.run(_serve(engine_kwargs, server_config, served_name, data_parallel_size))
 
 
 class _Server:
@@ -133,7 +132,7 @@ def _start_engine(engine_kwargs: dict[str, Any], served_name: str, data_parallel
     if data_parallel_size > 1:
         from rollout.group import RolloutGroup
 
-        return RolloutGroup.from_engine_args(
+        return RolloutGroup.from_engine_args(  # sets each engine's data_parallel_size and data_parallel_rank
             data_parallel_size=data_parallel_size, multiprocess=True, model_name=served_name, **engine_kwargs
         )
     from engine.async_llm import AsyncLLM

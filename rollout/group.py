@@ -125,7 +125,11 @@ class RolloutGroup:
         tp = base.parallel.tensor_parallel_size
         devices = engine_devices(base.device.resolve(), data_parallel_size, tp)
         _check_enough_gpus(devices, tp)
-        per_engine = [{**engine_args, "device": devices[i], "seed": base.model.seed + i} for i in range(data_parallel_size)]
+        per_engine = [
+            {**engine_args, "device": devices[i], "seed": base.model.seed + i,
+             "data_parallel_size": data_parallel_size, "data_parallel_rank": i}
+            for i in range(data_parallel_size)
+        ]
 
         def start(args: dict) -> AsyncLLM:
             return AsyncLLM.from_engine_args(multiprocess=multiprocess, model_name=model_name, **args)

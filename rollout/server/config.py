@@ -56,16 +56,3 @@ class ServerConfig:
             raise ValueError(f"timeout_keep_alive must be >= 1, got {self.timeout_keep_alive}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
-
-
-@dataclass
-class DataParallelConfig:
-    """Engines behind one server (a RolloutGroup when more than one)."""
-
-    data_parallel_size: int = 1
-    """Engines to start, each in its own process with a full copy of the model (on GPU engine i starts at device index i x tensor_parallel_size); requests are balanced between them and controls go to all."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.data_parallel_size, bool) or not isinstance(self.data_parallel_size, int) \
-                or self.data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be a positive int, got {self.data_parallel_size!r}")

@@ -8,7 +8,7 @@ import pytest
 
 from rollout.cli import build_parser, main
 from rollout.cli_args import field_docs, flag_name
-from rollout.server.config import DataParallelConfig
+from engine.config import ParallelConfig
 
 
 def test_parallel_flags_are_in_launch_help(capsys):
@@ -16,10 +16,10 @@ def test_parallel_flags_are_in_launch_help(capsys):
         build_parser().parse_args(["launch", "--help"])
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "data parallel:" in text
-    for f in dataclasses.fields(DataParallelConfig):
+    assert "engine: parallel:" in text
+    for f in dataclasses.fields(ParallelConfig):
         assert flag_name(f.name) in text
-        assert field_docs(DataParallelConfig)[f.name].replace(" ", "") in text.replace(" ", "")
+        assert field_docs(ParallelConfig)[f.name].replace(" ", "") in text.replace(" ", "")
     assert "--tensor-parallel-size" in text and "--distributed-executor-backend" in text
 
 
@@ -33,7 +33,7 @@ def test_parallel_flags_parse():
 @pytest.mark.parametrize("value", [0, -1, True])
 def test_data_parallel_size_must_be_positive(value):
     with pytest.raises(ValueError, match="data_parallel_size"):
-        DataParallelConfig(data_parallel_size=value)
+        ParallelConfig(data_parallel_size=value)
 
 
 def test_a_bad_data_parallel_size_fails_before_starting(tiny_checkpoint, capsys):
