@@ -43,14 +43,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (mp executor)")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engines behind one RolloutGroup, each on its own GPU(s); requests are balanced between them")
     p.add_argument("--json-out", default="benchmarks/out/offline_throughput.json")
     return p.parse_args()
 
 
 def run_engine(args, path: str, work) -> dict:
+    if args.data_parallel_size > 1:
+        return run_group(args, path, work)
     from engine import LLM, SamplingParams
 
-    extra = {}
+    extra = {"tensor_parallel_size": args.tensor_parallel_size}
     if torch.cuda.is_available() and args.device != "cpu":
         extra = dict(gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
     llm = LLM(path, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
@@ -69,12 +74,12 @@ def run_engine(args, path: str, work) -> dict:
     elapsed = time.perf_counter() - start
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_out == sum(n for _, n in work), "every request runs to max_tokens"
-    worker = llm.engine_core.executor.worker
-    graphs = worker.model_runner.cuda_graphs
+    worker = getattr(llm.engine_core.executor, "worker", None)  # in-process (uni) executor only
+    graphs = worker.model_runner.cuda_graphs if worker is not None else None
     result = {"elapsed_s": elapsed, "output_tokens": num_out, "output_tok_per_s": num_out / elapsed,
-              "device": llm.config.device.resolve(), "dtype": str(worker.dtype),
-              "num_kv_blocks": llm.engine_core.num_blocks,
-              "cuda_graph_replays": graphs.num_replays if graphs is not None else 0}
+              "device": llm.config.device.resolve(), "dtype": str(_dtype(args, llm.config.device.resolve())),
+              "num_kv_blocks": llm.engine_core.num_blocks, "tensor_parallel_size": args.tensor_parallel_size,
+              "cuda_graph_replays": graphs.num_replays if graphs is not None else None}
     llm.engine_core.shutdown()
     del llm, worker, graphs
     if torch.cuda.is_available():
@@ -83,6 +88,50 @@ def run_engine(args, path: str, work) -> dict:
         gc.collect()
         torch.cuda.empty_cache()
     return result
+
+
+def run_group(args, path: str, work) -> dict:
+    """The same workload through a RolloutGroup of data_parallel_size engines (each its own process and GPU)."""
+    import asyncio
+
+    from engine import SamplingParams
+    from rollout.group import RolloutGroup
+
+    extra = {}
+    if torch.cuda.is_available() and args.device != "cpu":
+        extra = dict(gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
+    group = RolloutGroup.from_engine_args(
+        data_parallel_size=args.data_parallel_size, model=path, dtype=args.dtype, device=args.device,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.input_len[1] + args.output_len[1], tensor_parallel_size=args.tensor_parallel_size, **extra)
+
+    async def one(prompt, params) -> int:
+        final = None
+        async for out in group.generate({"prompt_token_ids": prompt}, params):
+            final = out
+        return len(final.outputs[0].token_ids)
+
+    async def run_all(batch) -> int:
+        counts = await asyncio.gather(*(one(p, SamplingParams(temperature=args.temperature, max_tokens=n,
+                                                                 ignore_eos=True)) for p, n in batch))
+        return sum(counts)
+
+    async def main() -> tuple[int, float]:
+        await run_all([(p, 8) for p, _ in work[: 4 * args.data_parallel_size]])  # warm-up, every engine
+        await group.reset_prefix_cache()
+        start = time.perf_counter()
+        num_out = await run_all(work)
+        return num_out, time.perf_counter() - start
+
+    try:
+        num_out, elapsed = asyncio.run(main())
+    finally:
+        group.shutdown()
+    assert num_out == sum(n for _, n in work), "every request runs to max_tokens"
+    device = "cpu" if args.device == "cpu" or not torch.cuda.is_available() else "cuda"
+    return {"elapsed_s": elapsed, "output_tokens": num_out, "output_tok_per_s": num_out / elapsed, "device": device,
+            "dtype": str(_dtype(args, device)),
+            "data_parallel_size": args.data_parallel_size, "tensor_parallel_size": args.tensor_parallel_size}
 
 
 def run_hf(args, path: str, work, device: str, dtype: torch.dtype) -> dict:
@@ -116,6 +165,12 @@ def run_hf(args, path: str, work, device: str, dtype: torch.dtype) -> dict:
     num_out = sum(n for _, n in work)
     return {"elapsed_s": elapsed, "output_tokens": num_out, "output_tok_per_s": num_out / elapsed,
             "batch_size": batch_size, "num_requests": len(work)}
+
+
+def _dtype(args, device: str) -> torch.dtype:
+    from engine.worker.worker import resolve_dtype
+
+    return resolve_dtype(args.dtype, torch.device(device))
 
 
 def _sync(device: str) -> None:
