@@ -46,12 +46,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (mp executor)")
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engines behind one RolloutGroup, each on its own GPU(s); requests are balanced between them")
+    p.add_argument("--frontend", choices=["llm", "group"], default="llm",
+                   help="llm: the offline LLM class; group: a RolloutGroup (async frontend), forced above one engine")
     p.add_argument("--json-out", default="benchmarks/out/offline_throughput.json")
     return p.parse_args()
 
 
 def run_engine(args, path: str, work) -> dict:
-    if args.data_parallel_size > 1:
+    if args.data_parallel_size > 1 or args.frontend == "group":
         return run_group(args, path, work)
     from engine import LLM, SamplingParams
 
