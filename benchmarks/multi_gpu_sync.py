@@ -47,6 +47,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--syncs", type=int, default=3)
     p.add_argument("--buffer-mib", type=int, default=1024)
     p.add_argument("--sparse-fraction", type=float, default=0.01)
+    p.add_argument("--sparse-snapshot-device", default="cpu",
+                   help="sparse_nccl: where the delta tracker keeps the last-synced copy (cpu: no GPU memory, "
+                        "but every sync copies the model to the host; cuda: fast, one more copy on the trainer GPU)")
     p.add_argument("--trainer-device", default="cuda:0")
     p.add_argument("--engine-device", default="cuda:1")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
@@ -106,7 +109,7 @@ def init_info_for(backend: str, args):
         from weight_transfer.sparse_nccl import SparseNCCLTrainerInitInfo
 
         return SparseNCCLTrainerInitInfo(master_address="127.0.0.1", master_port=port, world_size=2,
-                                         packed_buffer_size_bytes=buffer)
+                                         packed_buffer_size_bytes=buffer, snapshot_device=args.sparse_snapshot_device)
     from weight_transfer.nccl import NCCLTrainerInitInfo
 
     return NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=port, world_size=2,
@@ -158,7 +161,7 @@ def greedy_check(server: Server, model, vocab: int, args) -> dict:
             "match": within == total}
 
 
-def bench_model(model: str, args) -> list[dict]:
+def bench_model(model: str, args, done: list[dict]) -> list[dict]:
     from gpu_common import shape_config
 
     from weight_transfer import StateDictSource, trainer_init
@@ -209,6 +212,7 @@ def bench_model(model: str, args) -> list[dict]:
                    "gb_per_s": dense_bytes / median / 1e9, "bytes_sent_median": statistics.median(sent),
                    "sent_fraction": statistics.median(sent) / dense_bytes, "greedy": greedy, "checksums_match": match}
             results.append(row)
+            write_json(args, [*done, *results])  # after every row: a run cut short keeps what it measured
             print(f"{model:<14}{backend:<15}{dense_bytes / 1e6:>10.1f}{warm_s:>10.3f}{median:>10.4f}"
                   f"{row['gb_per_s']:>8.2f}{100 * row['sent_fraction']:>8.2f}"
                   f"{greedy['within_tie_tolerance']:>6}/{greedy['tokens']:<4}{greedy['max_logit_gap']:>8.3f}  {match}",
@@ -231,15 +235,18 @@ def main() -> None:
           "warm-up; median; send_weights() start to the engine serving the new version)")
     print(f"{'model':<14}{'backend':<15}{'MB':>10}{'warm-up s':>10}{'sync s':>10}{'GB/s':>8}{'sent %':>8}"
           f"{'greedy':>11}{'gap':>8}  checksums", flush=True)
-    results = []
+    results: list[dict] = []
     for model in args.models:
-        results.extend(bench_model(model, args))
+        results.extend(bench_model(model, args, results))
+    print(f"wrote {args.json_out}")
+
+
+def write_json(args, results: list[dict]) -> None:
     out = {"benchmark": "multi_gpu_sync", "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
            "machine": platform.node(), "torch": torch.__version__, "args": vars(args), "results": results}
     os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
     with open(args.json_out, "w") as f:
         json.dump(out, f, indent=2)
-    print(f"wrote {args.json_out}")
 
 
 if __name__ == "__main__":
