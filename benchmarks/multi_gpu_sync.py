@@ -1,9 +1,10 @@
-"""Weight sync across GPUs: a trainer on one GPU, a `rollout launch` server on another, synced over HTTP with nccl.
+"""Weight sync across GPUs: a trainer on one GPU, a `rollout launch` server on another, synced over HTTP (nccl, sparse_nccl, sharded_rdt).
 
 For each model shape a server is started on --engine-device with random (dummy) weights; this
 process is the trainer: it holds random bf16 weights of the same shapes on --trainer-device,
 viewed as an HF transformers model (no copy). For each backend (nccl packed, nccl unpacked,
-sparse_nccl) it runs one warm-up sync and --syncs timed ones, each of freshly changed weights
+sparse_nccl, and sharded_rdt: its producer in this process (producer_host="thread", no Ray),
+NIXL-read by the engine from the trainer's GPU) it runs one warm-up sync and --syncs timed ones, each of freshly changed weights
 (sparse_nccl: --sparse-fraction of the coordinates), timed from send_weights() start to the
 engine serving the new version. Then it checks the engine against the trainer's model:
 
@@ -110,6 +111,11 @@ def init_info_for(backend: str, args):
 
         return SparseNCCLTrainerInitInfo(master_address="127.0.0.1", master_port=port, world_size=2,
                                          packed_buffer_size_bytes=buffer, snapshot_device=args.sparse_snapshot_device)
+    if backend == "sharded_rdt":  # NIXL READs from the trainer's device; the producer in this process (no Ray)
+        from weight_transfer.sharded_rdt import ShardedRDTTrainerInitInfo
+
+        return ShardedRDTTrainerInitInfo(producer_host="thread", producer_device=args.trainer_device,
+                                         chunk_bytes=min(buffer, 256 << 20), lookahead_groups=2)
     from weight_transfer.nccl import NCCLTrainerInitInfo
 
     return NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=port, world_size=2,

@@ -139,6 +139,24 @@ class RDTProducer:
                 "agent_name": self.agent.name,
             }
 
+    def close(self) -> None:
+        """Deregisters the slots and the status words (a producer in the trainer process; an actor just dies).
+
+        Any sync in progress is marked aborted first, so engines polling it stop. Idempotent."""
+        with self._lock:
+            if self.agent is None:
+                return
+            if self.sync_id is not None:
+                self.status[0] = self.sync_id  # the abort word, as abort() writes it
+                self._held.clear()
+                self.sync_id = None
+            if self._slots_reg is not None:
+                self.agent.deregister_memory(self._slots_reg)
+            self.agent.deregister_memory(self._status_reg)
+            self._slots_reg = self._status_reg = None
+            self.slots = []
+            self.agent = None
+
     # ---- internals -----------------------------------------------------------------------------
 
     def _allocate(self, slot_bytes: int) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import concurrent.futures
 import dataclasses
 import math
 import time
@@ -88,6 +89,9 @@ class ShardedRDTTrainerInitInfo:
     """Limit on starting a producer actor (a fresh Ray worker process) and finding the other ranks' producers."""
     ray_address: str | None = None
     """Passed to ray.init() when this process is not connected to Ray yet (None: Ray's default)."""
+    producer_host: str = "ray"
+    """Where each trainer rank's producer runs: "ray" (a Ray actor; any number of trainer ranks) or "thread"
+    (inside the trainer process, its calls on a few threads: no Ray needed, for a one-rank trainer)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, field_name: str, what: str) -> None:
@@ -108,6 +112,7 @@ class ShardedRDTTrainerInitInfo:
         need(_number(self.producer_num_gpus) and self.producer_num_gpus >= 0, "producer_num_gpus",
              "expected a number >= 0")
         need(isinstance(self.name, str) and bool(self.name), "name", "expected a non-empty string")
+        need(self.producer_host in ("ray", "thread"), "producer_host", 'expected "ray" or "thread"')
         need(self.rank is None or (is_int(self.rank) and self.rank >= 0), "rank", "expected None or an int >= 0")
         need(self.world_size is None or (is_int(self.world_size) and self.world_size >= 1),
              "world_size", "expected None or an int >= 1")
@@ -165,34 +170,43 @@ class ShardedRDTTrainerWeightTransferEngine(TrainerWeightTransferEngine):
 
     @classmethod
     def trainer_init(cls, init_info, *, client, source=None) -> ShardedRDTTrainerWeightTransferEngine:
-        import ray
-
         if isinstance(init_info, dict):
             init_info = ShardedRDTTrainerInitInfo.from_dict(init_info)
         if not isinstance(init_info, ShardedRDTTrainerInitInfo):
             raise ValueError(f"init_info: expected a ShardedRDTTrainerInitInfo, got {type(init_info).__name__}")
         rank, world_size = _rank_and_world(init_info)
-        if not ray.is_initialized():
-            ray.init(address=init_info.ray_address)
-        producer = (
-            ray.remote(RDTProducer)
-            .options(
-                name=_producer_name(init_info, rank),
-                num_cpus=0,
-                num_gpus=init_info.producer_num_gpus,
-                max_concurrency=4,  # publish blocks on slots while abort/stats still answer
+        args = (rank, init_info.lookahead_groups, float(init_info.timeout_s), init_info.nixl_backend,
+                init_info.producer_device)
+        if init_info.producer_host == "thread":
+            if world_size != 1:
+                raise ValueError(
+                    f"init_info.producer_host: 'thread' serves a one-rank trainer (rank 0 must reach every rank's "
+                    f"producer), this trainer has {world_size} ranks; use 'ray'"
+                )
+            producer = _ThreadProducer(RDTProducer(*args))
+        else:
+            import ray
+
+            if not ray.is_initialized():
+                ray.init(address=init_info.ray_address)
+            producer = _ActorProducer(
+                ray.remote(RDTProducer)
+                .options(
+                    name=_producer_name(init_info, rank),
+                    num_cpus=0,
+                    num_gpus=init_info.producer_num_gpus,
+                    max_concurrency=4,  # publish blocks on slots while abort/stats still answer
+                )
+                .remote(*args)
             )
-            .remote(rank, init_info.lookahead_groups, float(init_info.timeout_s), init_info.nixl_backend,
-                    init_info.producer_device)
-        )
         try:
-            ray.get(producer.ready.remote(), timeout=init_info.startup_timeout_s)
+            producer.result(producer.submit("ready"), timeout=init_info.startup_timeout_s)
             engine = cls(init_info, client, source, rank, world_size, producer)
             if rank == 0:
                 engine.producers = [producer] + [_find_producer(init_info, r) for r in range(1, world_size)]
                 engine.connect_engines(client)
         except BaseException:
-            ray.kill(producer)  # no half-started transfer keeps an actor (and its name) alive
+            producer.kill()  # no half-started transfer keeps an actor (and its name) alive
             raise
         return engine
 
@@ -204,9 +218,7 @@ class ShardedRDTTrainerWeightTransferEngine(TrainerWeightTransferEngine):
 
     def producer_stats(self) -> dict:
         """This rank's producer counters (groups published, high-water mark of groups held, ...)."""
-        import ray
-
-        return ray.get(self.producer.stats.remote(), timeout=self.init_info.timeout_s)
+        return self.producer.result(self.producer.submit("stats"), timeout=self.init_info.timeout_s)
 
     def send_weights(self, source=None, *, weight_version: str | None = None) -> SyncStats:
         src = self._source(source)
@@ -222,7 +234,7 @@ class ShardedRDTTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             if self.rank == 0:
                 update = self._start_sync(plan, sync_id)
             bytes_sent = self._publish_all(src, plan, sync_id, update)
-            self._await(self.producer.wait_drained.remote(sync_id), update, "engines to read every group")
+            self._await(self.producer.submit("wait_drained", sync_id), update, "engines to read every group")
             if update is not None:
                 update.result(timeout=self.init_info.timeout_s + _MARGIN_S)
                 self.client.finish_weight_update(weight_version)
@@ -245,14 +257,12 @@ class ShardedRDTTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         )
 
     def shutdown(self) -> None:
-        import ray
-
         if self.rank == 0 and self.client is not None:
             try:
                 self.client.shutdown_weight_transfer_engine()
             except Exception:  # the engine may be gone already; the producer still has to go
                 pass
-        ray.kill(self.producer)
+        self.producer.kill()
 
     # ---- internals -----------------------------------------------------------------------------
 
@@ -262,11 +272,9 @@ class ShardedRDTTrainerWeightTransferEngine(TrainerWeightTransferEngine):
 
     def _start_sync(self, plan: SyncPlan, sync_id: int):
         """Rank 0: begins the sync on every producer and starts the engine's update in the background."""
-        import ray
-
         num_consumers = self.client.get_world_size()
-        refs = [p.begin_sync.remote(sync_id, num_consumers, plan.slot_bytes) for p in self.producers]
-        descriptors = ray.get(refs, timeout=self.init_info.timeout_s)
+        calls = [(p, p.submit("begin_sync", sync_id, num_consumers, plan.slot_bytes)) for p in self.producers]
+        descriptors = [p.result(call, timeout=self.init_info.timeout_s) for p, call in calls]
         update_info = {
             "sync_id": sync_id,
             **tensor_list(plan.names, plan.dtypes, plan.shapes),
@@ -289,20 +297,18 @@ class ShardedRDTTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             payload = _pack_group(plan, g, members)
             del members  # only the packed copy stays alive while it travels
             slot = plan.slot(g, self.world_size, self.init_info.lookahead_groups)
-            self._await(self.producer.publish.remote(sync_id, g, slot, payload.numpy()), update,
+            self._await(self.producer.submit("publish", sync_id, g, slot, payload.numpy()), update,
                         f"group {g} ({plan.names[group.start]}) to be published")
             sent += sum(s.nbytes for p in group.packs for s in p.slots)
         return sent
 
-    def _await(self, ref, update, what: str):
-        """ray.get(ref), failing early if the engine's update already failed; TimeoutError past timeout_s + margin."""
-        import ray
-
+    def _await(self, call, update, what: str):
+        """The producer call's result, failing early if the engine's update already failed; TimeoutError past
+        timeout_s + margin."""
         deadline = time.monotonic() + self.init_info.timeout_s + _MARGIN_S
         while True:
-            ready, _ = ray.wait([ref], timeout=0.05)
-            if ready:
-                return ray.get(ref)
+            if self.producer.wait(call, timeout=0.05):
+                return self.producer.result(call)
             if update is not None and update.done() and update.exception() is not None:
                 raise update.exception()
             if time.monotonic() > deadline:
@@ -313,11 +319,9 @@ class ShardedRDTTrainerWeightTransferEngine(TrainerWeightTransferEngine):
 
         Returns the engine's own error, if its update call failed too.
         """
-        import ray
-
         for producer in self.producers or [self.producer]:
             try:
-                ray.get(producer.abort.remote(sync_id), timeout=5)
+                producer.result(producer.submit("abort", sync_id), timeout=5)
             except Exception:  # a dead producer needs no abort: engines reading it fail by themselves
                 pass
         if update is None:
@@ -356,12 +360,64 @@ def _find_producer(info: ShardedRDTTrainerInitInfo, rank: int):
     deadline = time.monotonic() + info.startup_timeout_s
     while True:
         try:
-            return ray.get_actor(_producer_name(info, rank))
+            return _ActorProducer(ray.get_actor(_producer_name(info, rank)))
         except ValueError:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"trainer rank {rank}'s producer {_producer_name(info, rank)!r} did not appear "
                                    f"within {info.startup_timeout_s} s") from None
             time.sleep(0.2)
+
+
+class _ActorProducer:
+    """A producer that is a Ray actor: calls return ObjectRefs."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+    def submit(self, method: str, *args):
+        return getattr(self.actor, method).remote(*args)
+
+    def wait(self, call, timeout: float) -> bool:
+        import ray
+
+        ready, _ = ray.wait([call], timeout=timeout)
+        return bool(ready)
+
+    def result(self, call, timeout: float | None = None):
+        import ray
+
+        return ray.get(call, timeout=timeout)
+
+    def kill(self) -> None:
+        import ray
+
+        ray.kill(self.actor)
+
+
+class _ThreadProducer:
+    """A producer in this process (producer_host="thread"): calls run on a few threads, as an actor's would
+    (publish blocks on a slot while abort and stats still answer), and return Futures."""
+
+    def __init__(self, producer: RDTProducer) -> None:
+        self.producer = producer
+        self.pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="rdt-producer")
+
+    def submit(self, method: str, *args) -> concurrent.futures.Future:
+        return self.pool.submit(getattr(self.producer, method), *args)
+
+    def wait(self, call: concurrent.futures.Future, timeout: float) -> bool:
+        concurrent.futures.wait([call], timeout=timeout)
+        return call.done()
+
+    def result(self, call: concurrent.futures.Future, timeout: float | None = None):
+        try:
+            return call.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"the producer did not answer within {timeout} s") from None
+
+    def kill(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.producer.close()
 
 
 def _next_tensor(tensors: Iterator[tuple[str, torch.Tensor]], plan: SyncPlan, index: int) -> torch.Tensor:

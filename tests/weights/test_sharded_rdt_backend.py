@@ -382,7 +382,7 @@ def test_producer_killed_mid_sync_fails_within_timeout_and_the_engine_keeps_its_
     started = time.monotonic()
     try:
         with pytest.raises(RuntimeError, match="sharded_rdt: sync .* failed") as failure:
-            trainer.send_weights(KillingSource(model, trainer.producer, at=at), weight_version="never")
+            trainer.send_weights(KillingSource(model, trainer.producer.actor, at=at), weight_version="never")
     finally:
         trainer.shutdown()
     # Bounded, not hung: the engine's own update failed once the producer was gone (its timeout at most).
@@ -443,3 +443,40 @@ def test_engine_killed_mid_sync_then_a_restarted_engine_rejoins_the_same_produce
             stop_engine(restarted)
     finally:
         trainer.shutdown()
+
+
+# ---- producer_host="thread": no Ray; the producer lives in the trainer process --------------------------
+
+
+def test_a_thread_hosted_producer_needs_a_one_rank_trainer():
+    with pytest.raises(ValueError, match="init_info.producer_host"):
+        ShardedRDTTrainerInitInfo(producer_host="actor")
+    info = ShardedRDTTrainerInitInfo(producer_host="thread", rank=0, world_size=2)
+    with pytest.raises(ValueError, match=r"producer_host: 'thread' serves a one-rank trainer.*2 ranks"):
+        trainer_init(info, client=None)
+
+
+@pytest.mark.slow
+def test_a_thread_hosted_producer_syncs_a_server_over_http_without_ray(launch_server, tiny_checkpoint):
+    from sync_helpers import assert_engine_serves
+
+    from weight_transfer.clients import HTTPWeightSyncClient
+
+    path = tiny_checkpoint("llama")
+    server = launch_server(path, "--enable-rl-routes")
+    model_a, model_b = trainer_model(path, seed=21), trainer_model(path, seed=22)
+    info = dataclasses.replace(_info("rdt-thread"), producer_host="thread")
+    client = HTTPWeightSyncClient(server.url)
+    trainer = trainer_init(info, client=client, source=model_a)
+    try:
+        stats = trainer.send_weights(weight_version="t-a")
+        assert_engine_serves(server.url, model_a, "t-a")
+        trainer.send_weights(model_b, weight_version="t-b")
+        assert_engine_serves(server.url, model_b, "t-b")
+        producer = trainer.producer_stats()
+    finally:
+        trainer.shutdown()
+        client.close()
+    assert producer["groups_published"] == 2 * stats.extra["num_groups"]
+    assert producer["max_groups_held"] == info.lookahead_groups  # the same memory bound as an actor's
+    assert trainer.producer.producer.agent is None  # shutdown deregistered the producer's memory
