@@ -51,7 +51,8 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
     if num_experts and tp_size > 1:  # checked here too, so no worker process is started for nothing
         raise ValueError(
             f"tensor_parallel_size: {hf_config.get('architectures')} is a mixture-of-experts model ({num_experts} experts), "
-            f"which runs with tensor_parallel_size 1 only for now (expert parallelism is not implemented yet); got {tp_size}"
+            f"which runs with tensor_parallel_size 1 only (shard its experts with enable_expert_parallel over "
+            f"data_parallel_size engines instead); got {tp_size}"
         )
     return EngineConfig(**built)
 

@@ -72,20 +72,25 @@ def shard_of(tensor: torch.Tensor, info: Mapping | None, name: str = "tensor") -
 
 
 def compare_checksums(
-    engine: Mapping[str, str], baseline: Mapping[str, str], optional: Iterable[str] = ()
+    engine: Mapping[str, str], baseline: Mapping[str, str], optional: Iterable[str] = (),
+    held_elsewhere: Iterable[str] = (),
 ) -> dict:
     """Compares the engine's checksums with a baseline's (torch's load_state_dict wording, the engine as the model).
 
     mismatches: names in both whose checksums differ; missing: engine weights the baseline lacks
     (except `optional` ones, e.g. a tied lm_head.weight); unexpected: baseline names the engine
-    does not have. match: all three are empty.
+    does not have, except `held_elsewhere` ones (under expert parallelism, the experts other ranks
+    hold: a trainer's full checksums compare with each engine over the weights it holds).
+    match: all three are empty.
     """
     if not isinstance(baseline, Mapping):
         raise ValueError(f"baseline: expected a dict {{hf_name: checksum}}, got {type(baseline).__name__}")
-    optional = set(optional)
+    optional, held_elsewhere = set(optional), set(held_elsewhere)
     mismatches = sorted(n for n in engine if n in baseline and baseline[n] != engine[n])
     missing = sorted(n for n in engine if n not in baseline and n not in optional)
-    unexpected = sorted(n for n in baseline if n not in engine and not n.endswith(_IGNORED_SUFFIXES))
+    unexpected = sorted(
+        n for n in baseline if n not in engine and n not in held_elsewhere and not n.endswith(_IGNORED_SUFFIXES)
+    )
     return {
         "match": not (mismatches or missing or unexpected),
         "mismatches": mismatches,

@@ -145,6 +145,11 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=OUTPUT_RANK)[OUTPUT_RANK]
 
+    def execute_dummy_batch(self) -> None:
+        """One forward pass of a dummy token on every rank, nothing sampled or returned: a lockstep engine
+        (expert parallelism) with no work runs it so its MoE collectives meet the other engines'."""
+        self.collective_rpc("execute_dummy_batch", unique_reply_rank=OUTPUT_RANK)
+
     def reset_requests(self) -> None:
         """Drops every request's state in the workers (after a failed step)."""
         self.collective_rpc("reset_requests")

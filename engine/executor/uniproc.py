@@ -32,4 +32,4 @@ class UniProcExecutor(Executor):
         return True  # an in-process worker cannot die without the engine
 
     def shutdown(self) -> None:
-        pass
+        self.worker.shutdown()  # leaves its groups (an expert-parallel one; tensor parallelism is size 1 here)

@@ -31,17 +31,21 @@ def fused_experts_ref(
 ) -> torch.Tensor:  # [T, H]
     """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]), expert(x) = w2 (silu(x w1^T) * x w3^T).
 
+    An id outside [0, E) (another expert-parallel rank's expert, or -1 padding) contributes nothing.
     The (token, k) pairs are sorted by expert so each active expert runs once, on its tokens:
 
         topk_ids  [[2, 0], [0, 3]]  ->  flat [2, 0, 0, 3]  ->  by expert: e0 <- tokens [0, 1], e2 <- [0], e3 <- [1]
     """
     top_k = topk_ids.shape[1]
+    num_experts = w13.shape[0]
     out = torch.zeros_like(hidden)
     flat_ids = topk_ids.reshape(-1).long()  # [T * K]
+    held = (flat_ids >= 0) & (flat_ids < num_experts)
+    flat_ids = torch.where(held, flat_ids, num_experts)  # pairs of experts not held here sort last, and are skipped
     order = flat_ids.argsort(stable=True)  # (token, k) pairs grouped by expert
     token_ids = order // top_k  # [T * K] the token of each sorted pair
     weights = topk_weights.reshape(-1)[order]  # [T * K]
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # one host sync; fine for the reference
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts].tolist()  # one host sync (reference)
     start = 0
     for expert_id, count in enumerate(counts):
         if count == 0:

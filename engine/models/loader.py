@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from engine.distributed import get_tp
+from engine.distributed import get_ep, get_tp
 from engine.models.layers import hf_parts_of, load_part
 from engine.models.registry import resolve_model_class
 
@@ -50,7 +50,7 @@ def load_model(
     finally:
         torch.set_default_dtype(previous_dtype)
     if load_format == "dummy":
-        if get_tp().size == 1:
+        if get_tp().size == 1 and get_ep().size == 1:
             for name, param in model.named_parameters():
                 if "norm" in name:
                     param.fill_(1.0)
@@ -67,12 +67,18 @@ def load_model(
 
 
 def _dummy_shards(model: nn.Module) -> None:
-    """Dummy weights under tensor parallelism: each rank draws every FULL tensor, exactly as one rank
-    would draw its parameter (same order, shape, device and seeded generator), and keeps its slice.
+    """Dummy weights under tensor or expert parallelism: each rank draws every FULL tensor, exactly as
+    one rank would draw its parameter (same order, shape, device and seeded generator), and keeps its slice.
 
     So every rank agrees on replicated weights, and the model equals the one-rank dummy model.
     """
     for name, param in model.named_parameters():
+        local_experts = getattr(param, "local_experts", None)
+        if local_experts is not None:  # a MoE layer's stacked experts: every expert drawn, this rank's kept
+            full = torch.empty((param.num_experts, *param.shape[1:]), dtype=param.dtype, device=param.device)
+            full.normal_(0.0, 0.02)
+            param.data.copy_(full[local_experts.start:local_experts.stop])
+            continue
         parts = hf_parts_of(param)
         # A fused parameter (q/k/v, gate/up) is drawn whole, as one rank holds it: its parts stacked on dim 0.
         full_shape = (sum(p.full_shape[0] for p in parts), *parts[0].full_shape[1:])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
 from engine.core.sched_output import SchedulerOutput
 from engine.forward_context import set_forward_context
@@ -15,6 +16,28 @@ from engine.worker.input_batch import InputBatch, make_input_batch
 from engine.worker.model_state import model_state_for
 from engine.worker.request_state import RequestState
 from engine.worker.runner_output import ModelRunnerOutput
+
+
+def dummy_forward(model: torch.nn.Module, device: torch.device) -> None:
+    """One forward pass of token id 0 at position 0, reading block 0, with slot -1: its KV is never written.
+
+    The block pool reserves no block, so block 0 may be another request's; reading it is harmless
+    (the KV cache holds finite values and the output is dropped).
+    """
+    metadata = AttentionMetadata(
+        num_actual_tokens=1,
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([1], dtype=torch.int32, device=device),
+        block_table=torch.zeros(1, 1, dtype=torch.int32, device=device),
+        slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=device),  # no KV write
+        max_query_len=1,
+        max_seq_len=1,
+        query_lens_cpu=[1],
+        seq_lens_cpu=[1],
+    )
+    token = torch.zeros(1, dtype=torch.int64, device=device)  # [1]: id 0, and position 0
+    with torch.inference_mode(), set_forward_context(metadata):
+        model(input_ids=token, positions=token)
 
 
 class ModelRunner:
@@ -127,6 +150,16 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             routed_experts=routed_experts,
         )
+
+    @torch.inference_mode()
+    def execute_dummy_batch(self) -> None:
+        """One eager forward pass of a dummy token that belongs to no request; nothing is sampled or returned.
+
+        Lockstep engines (expert parallelism) call it when they have no work while others do, so every
+        rank runs the same MoE collectives. Request state and routing capture are left as they are
+        (the next real step sets capture again before its forward).
+        """
+        dummy_forward(self.model, self.device)
 
     # ---- routed experts (MoE routing replay) ----------------------------------------------
 

@@ -26,6 +26,12 @@ Copies are in place, so parameter addresses (and CUDA graphs that recorded them)
 Tensor parallelism: every rank receives the FULL HF tensors (names, shapes and validation are
 those of the HF model) and lands only the slice it holds (HFSlot.shard_of; the loaders narrow
 the same way). weight_info() says which slice each rank holds; checksums() are of that slice.
+
+Expert parallelism: every engine receives every expert's tensor too. Those of experts another EP
+rank holds (hf_remote_shapes) are validated like the rest (name, the full model's shape, dtype,
+finite values: every rank accepts or rejects an update alike) and then dropped; weight_info()
+and checksums() list only the experts this rank holds, and weight_checker() does not count a
+baseline's other-rank experts as unexpected.
 """
 
 from __future__ import annotations
@@ -190,6 +196,26 @@ def hf_weight_layout(model: nn.Module) -> dict[str, HFSlot]:
     return layout
 
 
+def hf_remote_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """{hf_name: shape} of the expert tensors other expert-parallel ranks hold (empty without expert
+    parallelism): the stacked parameters with `local_experts` / `num_experts` (engine.models.moe.FusedExperts)
+    hold the same tensors, of the same shapes, for every expert; this lists the experts they lack."""
+    remote: dict[str, tuple[int, ...]] = {}
+    for param_name, param in model.named_parameters():
+        local_experts = getattr(param, "local_experts", None)
+        if local_experts is None or len(local_experts) == param.num_experts:
+            continue
+        module_path = param_name.rpartition(".")[0]
+        parts = hf_parts_of(param)
+        first_expert = parts[: len(parts) // len(local_experts)]  # one expert's tensors, e.g. gate_proj and up_proj
+        for expert_id in range(param.num_experts):
+            if expert_id in local_experts:
+                continue
+            for part in first_expert:  # part.name is "{e}.gate_proj.weight": swap in this expert's id
+                remote[f"{module_path}.{expert_id}.{part.name.partition('.')[2]}"] = part.full_shape
+    return remote
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -202,6 +228,7 @@ class WeightUpdater:
         self.device = device
         self.rollback = rollback
         self.layout = hf_weight_layout(model)
+        self.remote = hf_remote_shapes(model)  # other EP ranks' experts: validated, never landed
         self.transfer_engine: WeightTransferEngine | None = None
         self.backend: str | None = None
         self.updating = False
@@ -399,7 +426,7 @@ class WeightUpdater:
 
     def _landing_name(self, name: str) -> str | None:
         """The layout name a received tensor lands under (a tied alias lands in its owner); None: ignored."""
-        if name.endswith(_IGNORED_SUFFIXES):
+        if name.endswith(_IGNORED_SUFFIXES) or name in self.remote:
             return None
         return self.layout[name].alias_of or name
 
@@ -495,17 +522,22 @@ class WeightUpdater:
     def _problems(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], tensor: torch.Tensor | None = None) -> list[str]:
         if name.endswith(_IGNORED_SUFFIXES):
             return []
-        slot = self.layout.get(name)
-        if slot is None:
+        expected = self._full_shape(name)
+        if expected is None:
             return [f"{name!r}: matches no parameter of the model (HF naming expected)"]
         problems = []
-        if tuple(shape) != slot.shape:
-            problems.append(f"{name!r}: shape {list(shape)} does not match the model's {list(slot.shape)}")
+        if tuple(shape) != expected:
+            problems.append(f"{name!r}: shape {list(shape)} does not match the model's {list(expected)}")
         if not dtype.is_floating_point:
             problems.append(f"{name!r}: dtype {_dtype_name(dtype)} is not a floating-point dtype")
         elif tensor is not None and not bool(torch.isfinite(tensor).all()):
             problems.append(f"{name!r}: contains NaN or inf")
         return problems
+
+    def _full_shape(self, name: str) -> tuple[int, ...] | None:
+        """The full HF shape of a weight of the model (held here or by another EP rank); None: no such weight."""
+        slot = self.layout.get(name)
+        return slot.shape if slot is not None else self.remote.get(name)
 
     def _check_received(
         self, name: str, item: torch.Tensor | SparseWeightPatch, finite_checks: list[tuple[str, torch.Tensor]]
@@ -513,11 +545,11 @@ class WeightUpdater:
         """Checks one received tensor or patch against the model (ValueError names it); a dense
         tensor's NaN/inf check is appended to finite_checks, for _raise_if_not_finite."""
         if isinstance(item, SparseWeightPatch):
-            slot = self.layout.get(name)
-            if slot is None:
+            expected = self._full_shape(name)
+            if expected is None:
                 raise ValueError(f"{name!r}: matches no parameter of the model (HF naming expected)")
-            if tuple(item.full_shape) != slot.shape:
-                raise ValueError(f"{name!r}: patch shape {list(item.full_shape)} does not match the model's {list(slot.shape)}")
+            if tuple(item.full_shape) != expected:
+                raise ValueError(f"{name!r}: patch shape {list(item.full_shape)} does not match the model's {list(expected)}")
             item.validate()
             return
         problems = self._problems(name, item.dtype, tuple(item.shape))
@@ -532,8 +564,8 @@ class WeightUpdater:
 
     def weight_info(self) -> dict[str, dict]:
         """{hf_name: {"shape": [...], "dtype": "bfloat16", "shard": {"dim", "start", "size"} | None}} for
-        every weight, aliases included: shape is the full HF tensor's, shard the slice this rank holds
-        (None: all of it). weight_transfer.checksums.hf_state_checksums(state, shards=this) gives the
+        every weight this rank holds (under expert parallelism: its own experts, not the other ranks'),
+        aliases included: shape is the full HF tensor's, shard the slice this rank holds (None: all of it). weight_transfer.checksums.hf_state_checksums(state, shards=this) gives the
         checksums this rank should report."""
         return {
             name: {"shape": list(slot.shape), "dtype": _dtype_name(slot.param.dtype), "shard": slot.shard}
@@ -552,7 +584,7 @@ class WeightUpdater:
         result: dict = {"checksums": checksums}
         if baseline is not None:
             aliases = [n for n, s in self.layout.items() if s.alias_of is not None]
-            result.update(compare_checksums(checksums, baseline, optional=aliases))
+            result.update(compare_checksums(checksums, baseline, optional=aliases, held_elsewhere=self.remote))
         return result
 
 

@@ -9,7 +9,12 @@ import torch
 from engine.attention.layer import Attention
 from engine.config import EngineConfig
 from engine.core.sched_output import SchedulerOutput
-from engine.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from engine.distributed.parallel_state import (
+    destroy_expert_parallel,
+    destroy_tensor_parallel,
+    init_expert_parallel,
+    init_tensor_parallel,
+)
 from engine.executor.base import baseline_for_rank
 from engine.models.loader import load_hf_config, load_model
 from engine.worker.model_runner import ModelRunner
@@ -72,7 +77,21 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # before NCCL: its communicator binds the current device
         # The group first: model layers read get_tp() while they are built, to size their shards.
-        init_tensor_parallel(tp_size, rank, init_method, backend="nccl" if self.device.type == "cuda" else "gloo")
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        init_tensor_parallel(tp_size, rank, init_method, backend=backend)
+        # Expert parallelism: one worker per data-parallel engine, before the model (MoE layers read
+        # get_ep() to pick their experts). A model without experts has nothing to shard: it simply
+        # holds every weight, and its forward passes run no EP collective. MoE models run with
+        # tensor_parallel_size 1 only, so an engine of several ranks (a dense model) joins no EP group.
+        parallel = config.parallel
+        if parallel.lockstep and tp_size == 1:
+            if parallel.data_parallel_master_port == 0:
+                raise ValueError("data_parallel_master_port: expert parallelism needs the data-parallel group's "
+                                 "rendezvous port (0 is unset); the workers' EP group uses port + 1")
+            init_expert_parallel(
+                parallel.data_parallel_size, parallel.data_parallel_rank,
+                f"tcp://{parallel.data_parallel_master_ip}:{parallel.data_parallel_master_port + 1}", backend=backend,
+            )
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         torch.manual_seed(config.model.seed)
 
@@ -140,6 +159,11 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
 
+    def execute_dummy_batch(self) -> None:
+        """One forward pass of one dummy token (no request state, no KV write): keeps this rank's
+        expert-parallel collectives in step with engines that have work."""
+        self.model_runner.execute_dummy_batch()
+
     def reset_requests(self) -> None:
         """Drops every request's state (after a failed step); weights and KV tensors stay."""
         self.model_runner.reset_requests()
@@ -176,7 +200,8 @@ class Worker:
         return self.weight_updater.consistent
 
     def num_parameters(self) -> int:
-        """Parameter elements this rank holds (a tensor-parallel shard holds about 1/tp_size of most)."""
+        """Parameter elements this rank holds (a tensor-parallel shard holds about 1/tp_size of most; an
+        expert-parallel rank only its experts)."""
         return sum(p.numel() for p in self.model.parameters())
 
     # ---- sleep / wake-up: engine/worker/sleep.py frees and restores the memory ----
@@ -202,5 +227,6 @@ class Worker:
             torch.cuda.synchronize(self.device)
 
     def shutdown(self) -> None:
-        """Leaves the tensor-parallel group (a worker process calls this before it exits)."""
+        """Leaves the tensor- and expert-parallel groups (a worker process calls this before it exits)."""
+        destroy_expert_parallel()
         destroy_tensor_parallel()
