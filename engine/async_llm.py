@@ -352,6 +352,10 @@ class AsyncLLM:
     async def weight_checker(self, baseline: dict | None = None) -> dict:
         return await self._control("weight_checker", baseline)
 
+    async def get_dp_state(self) -> dict:
+        """A lockstep engine's wave and step counters (engine/dp_core_proc.py); EngineUtilityError on any other engine."""
+        return await self._control("get_dp_state")
+
     async def get_world_size(self) -> int:
         """The engine's worker count: one per tensor-parallel rank."""
         return self.config.parallel.tensor_parallel_size

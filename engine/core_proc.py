@@ -22,7 +22,9 @@ blocked) and, while the engine is not HEALTHY, refuse new requests and utility c
 `retry` resets the core's per-run state and returns the engine to HEALTHY (its answer is sent
 after that, so the caller's next request is served); a timeout means DEAD and exit.
 
-The parent's side (addresses, starting and stopping the process) is core_proc_handle.py.
+The parent's side (addresses, starting and stopping the process) is core_proc_handle.py. An
+engine of a lockstep data-parallel group (expert parallelism) runs the subclass DPEngineCoreProc
+(engine/dp_core_proc.py): waves, dummy batches and the DP state sync.
 """
 
 from __future__ import annotations
@@ -101,6 +103,9 @@ class EngineCoreProc:
         if len(input_addresses) != len(output_addresses):
             raise ValueError("one input and one output address per frontend")
         self.engine_index = engine_index
+        self.input_queue: queue.Queue = queue.Queue()  # (request type, client index, payload)
+        self.output_queue: queue.Queue = queue.Queue()  # (client index, EngineCoreOutputs) | None
+        self._stop_inputs = threading.Event()
         self.ctx = zmq.Context()
         # Sockets first, so that a failure to build the core can still be reported.
         self.input_sockets = []
@@ -120,13 +125,12 @@ class EngineCoreProc:
             from engine.engine_core import EngineCore  # torch enters here
 
             self.engine_core = EngineCore(config)
+            self._init_before_ready()
         except BaseException:
             self._handshake(EngineHandshake("FAILED", engine_index, error=traceback.format_exc()))
             self._close_sockets()
             raise
 
-        self.input_queue: queue.Queue = queue.Queue()  # (request type, client index, payload)
-        self.output_queue: queue.Queue = queue.Queue()  # (client index, EngineCoreOutputs) | None
         self.req_clients: dict[str, int] = {}  # running request -> the client that sent it
         self.running = True
         # Fault tolerance. `status` is written by the busy loop (and read by the input threads)
@@ -136,7 +140,6 @@ class EngineCoreProc:
         self._status_lock = threading.Lock()
         self._retry = threading.Event()
         self._retry_calls: list[tuple[int, int]] = []  # (client index, call id), answered once HEALTHY
-        self._stop_inputs = threading.Event()
         self._handshake(
             EngineHandshake(
                 "READY", engine_index, self.engine_core.num_blocks, self.engine_core.max_model_len
@@ -150,6 +153,9 @@ class EngineCoreProc:
         self.output_thread = threading.Thread(target=self._output_loop, name="engine-output", daemon=True)
         for t in [*self.input_threads, self.output_thread]:
             t.start()
+
+    def _init_before_ready(self) -> None:
+        """Subclasses set up what must exist before READY is sent (a failure here is reported as FAILED)."""
 
     # ---- the busy loop (main thread) ---------------------------------------------------------
 
@@ -168,7 +174,7 @@ class EngineCoreProc:
 
     def _process_input_queue(self) -> None:
         # Block only when idle; otherwise take what has arrived and go back to stepping.
-        if not self.engine_core.has_unfinished_requests():
+        if self._is_idle():
             try:
                 # A timeout, so that SIGTERM's handler runs soon even if a signal lands on
                 # another thread and leaves this one asleep.
@@ -181,6 +187,10 @@ class EngineCoreProc:
             except queue.Empty:
                 return
             self._handle(*item)
+
+    def _is_idle(self) -> bool:
+        """Nothing to step: the loop may block waiting for input."""
+        return not self.engine_core.has_unfinished_requests()
 
     def _handle(self, request_type: bytes, client_index: int, payload: Any) -> None:
         if request_type == EngineCoreRequestType.ADD.value:
@@ -445,7 +455,12 @@ class EngineCoreProc:
         proc = None
         exit_code = 0
         try:
-            proc = EngineCoreProc(config, input_addresses, output_addresses, engine_index)
+            proc_class = EngineCoreProc
+            if config.parallel.lockstep:
+                from engine.dp_core_proc import DPEngineCoreProc
+
+                proc_class = DPEngineCoreProc
+            proc = proc_class(config, input_addresses, output_addresses, engine_index)
             proc.run_busy_loop()
         except SystemExit:
             pass

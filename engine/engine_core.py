@@ -57,6 +57,9 @@ class EngineCore:
         self._weight_update_active = False
         self._weights_consistent = True
         self._last_weight_call = 0.0  # time.monotonic() at the end of the last start/update call
+        # Whether the last step() ran a forward pass: a lockstep engine (engine/dp_core_proc.py)
+        # runs a dummy batch instead when it did not, so every rank runs one forward per step.
+        self.last_step_ran_model = False
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Admits a request, or raises ValueError naming what is wrong and changes nothing.
@@ -89,8 +92,10 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         self.executor.check_alive()  # first: a dead executor leaves the scheduler and pending outputs as they were
         pending, self._pending_outputs = self._pending_outputs, []
+        self.last_step_ran_model = False
         if self._can_schedule():
             scheduler_output = self.scheduler.schedule()
+            self.last_step_ran_model = not scheduler_output.is_empty
             if self._fault_pending:  # after schedule(): the state a real mid-step failure leaves behind
                 self._fault_pending = False
                 raise InjectedFault("injected fault (enable_fault_injection, tests only)")
@@ -104,6 +109,15 @@ class EngineCore:
         outputs.scheduler_stats = self.make_stats()
         outputs.weight_version = self.weight_version
         return outputs
+
+    def execute_dummy_batch(self) -> None:
+        """One forward pass of one dummy token on every worker, touching no request state: a lockstep
+        engine with no work of its own runs it so that its data-parallel peers' collectives have a partner."""
+        self.executor.execute_dummy_batch()
+
+    def synchronize(self) -> None:
+        """Waits until the device has finished everything queued on it."""
+        self.executor.synchronize()
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's stats (which resets its since-last-stats counters) plus the sleep level."""

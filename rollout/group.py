@@ -14,6 +14,13 @@ every engine at once:
 - get_weight_version (and weight_info) raise WeightVersionMismatchError if engines disagree.
 - get_world_size is the sum of the engines' world sizes.
 
+Lockstep groups (enable_expert_parallel): the engines step together in waves and agree through
+a DP state sync (engine/dp_core_proc.py); from_engine_args then also starts the coordinator
+process that forwards START_WAVE between them (rollout/dp_coordinator.py) and hosts the sync
+group's TCPStore at data_parallel_master_ip:data_parallel_master_port (a free port pair when
+unset). pause() is the same fan-out: each engine answers once every engine has reached the
+pause (consensus), so it returns with all of them paused at the same step; sleep() pauses first.
+
 A failure on engine i is raised with "engine i: " in front of its message (bad input, a
 ValueError, fails alike on every engine and keeps its message so that it still names the field).
 /metrics shows every engine's series under its own `engine` label.
@@ -42,6 +49,7 @@ from engine.processor import PromptType
 from engine.sampling_params import SamplingParams
 from rollout.balancer import LoadBalancer
 from rollout.coordinator import Coordinator
+from rollout.dp_coordinator import DPCoordinatorHandle, free_port_pair
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +93,15 @@ def _check_enough_gpus(devices: list[str], tensor_parallel_size: int) -> None:
 class RolloutGroup:
     """Data-parallel engines with one frontend interface (the AsyncLLM methods the server and RolloutWorker use)."""
 
-    def __init__(self, engines: Sequence[AsyncLLM], model_name: str | None = None) -> None:
+    def __init__(
+        self, engines: Sequence[AsyncLLM], model_name: str | None = None, dp_coordinator: DPCoordinatorHandle | None = None
+    ) -> None:
+        """dp_coordinator: the lockstep group's coordinator process and store (from_engine_args starts it); shut down with the group."""
         if not engines:
             raise ValueError("engines: a RolloutGroup needs at least one engine")
         self.engines = list(engines)
+        self.dp_coordinator = dp_coordinator
+        self._paused_for_sleep = False  # lockstep: sleep() paused the group, wake_up() resumes it
         self.config = self.engines[0].config
         self.model_name = model_name or self.engines[0].model_name
         self.tokenizer = self.engines[0].tokenizer
@@ -130,20 +143,38 @@ class RolloutGroup:
              "data_parallel_size": data_parallel_size, "data_parallel_rank": i}
             for i in range(data_parallel_size)
         ]
+        dp_coordinator = None
+        if base.parallel.enable_expert_parallel and data_parallel_size > 1:  # lockstep engines
+            host = base.parallel.data_parallel_master_ip
+            port = base.parallel.data_parallel_master_port or free_port_pair(host)
+            dp_coordinator = DPCoordinatorHandle(data_parallel_size, host, port)
+            for args in per_engine:
+                args["data_parallel_master_port"] = port
 
         def start(args: dict) -> AsyncLLM:
             return AsyncLLM.from_engine_args(multiprocess=multiprocess, model_name=model_name, **args)
 
         with concurrent.futures.ThreadPoolExecutor(data_parallel_size, thread_name_prefix="start-engine") as pool:
             futures = [pool.submit(start, args) for args in per_engine]
+            concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+            if dp_coordinator is not None and any(f.done() and f.exception() is not None for f in futures):
+                # Lockstep peers wait for each other at start-up; without the store they fail at once.
+                dp_coordinator.shutdown()
             concurrent.futures.wait(futures)
         failed = [f.exception() for f in futures if f.exception() is not None]
         if failed:
             for f in futures:
                 if f.exception() is None:
                     f.result().shutdown()
+            if dp_coordinator is not None:
+                dp_coordinator.shutdown()
             raise failed[0]
-        return cls([f.result() for f in futures], model_name=model_name)
+        return cls([f.result() for f in futures], model_name=model_name, dp_coordinator=dp_coordinator)
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether the engines step in lockstep (expert parallelism; engine/dp_core_proc.py)."""
+        return self.dp_coordinator is not None
 
     @property
     def num_engines(self) -> int:
@@ -282,10 +313,22 @@ class RolloutGroup:
         return any(await self._fan_out("is_paused"))
 
     async def sleep(self, level: int = 1) -> None:
+        """Every engine sleeps; lockstep engines are paused ("keep") first, so that none sleeps mid-wave."""
+        if self.lockstep and not self._paused_for_sleep and not await self.is_paused():
+            await self.pause("keep")
+            self._paused_for_sleep = True
         await self._fan_out("sleep", level)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Every engine wakes (the given tags); lockstep engines paused by sleep() resume once fully awake."""
         await self._fan_out("wake_up", tags)
+        if self._paused_for_sleep and not await self.is_sleeping():
+            self._paused_for_sleep = False
+            await self.resume()
+
+    async def dp_states(self) -> list[dict]:
+        """Lockstep engines: each engine's wave, its counters (real steps, dummy batches, syncs...), in engine order."""
+        return await self._fan_out("get_dp_state")
 
     async def is_sleeping(self) -> bool:
         return any(await self._fan_out("is_sleeping"))
@@ -369,10 +412,13 @@ class RolloutGroup:
 
     @property
     def is_dead(self) -> bool:
-        """True once any engine is dead (the group no longer does what its controls promise)."""
-        return any(engine.is_dead for engine in self.engines)
+        """True once any engine is dead, or a lockstep group's coordinator (the group no longer does what its controls promise)."""
+        coordinator_dead = self.dp_coordinator is not None and not self.dp_coordinator.is_alive()
+        return coordinator_dead or any(engine.is_dead for engine in self.engines)
 
     async def check_health(self) -> None:
+        if self.dp_coordinator is not None and not self.dp_coordinator.is_alive():
+            raise EngineDeadError("the DP coordinator process of the lockstep group is dead")
         for index, engine in enumerate(self.engines):
             try:
                 await engine.check_health()
@@ -403,6 +449,8 @@ class RolloutGroup:
         """Stops every engine; waiting callers get EngineDeadError."""
         for engine in self.engines:
             engine.shutdown()
+        if self.dp_coordinator is not None:
+            self.dp_coordinator.shutdown()
 
 
 class _BalancerCollector:
