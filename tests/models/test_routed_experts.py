@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_reference import hf_router_top_k
+
 from engine import LLM, SamplingParams
 
 PROMPTS = [[5, 17, 99, 230, 41], [300, 12, 7, 88, 150, 201, 33, 60, 9, 14, 2, 71], [77, 78, 79], [1, 2, 3, 4, 5, 6, 7]]
@@ -18,21 +20,6 @@ def _llm(path: str, **kwargs) -> LLM:
     return LLM(path, **args)
 
 
-@torch.no_grad()
-def _hf_top_k(path: str, sequences: list[list[int]]) -> list[list[list[list[int]]]]:
-    """Per sequence [position][moe_layer][k]: HF's router top-k (softmax, best first) over the whole sequence."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    out = []
-    for seq in sequences:
-        router_logits = hf(torch.tensor([seq]), output_router_logits=True).router_logits  # per MoE layer [T, E]
-        top_k = [torch.topk(torch.softmax(l.float(), -1), config.num_experts_per_tok, -1).indices for l in router_logits]
-        out.append(torch.stack(top_k, dim=1).tolist())  # [T, L, K]
-    return out
-
-
 @pytest.fixture(scope="module")
 def moe_path(tiny_checkpoint):
     return tiny_checkpoint("qwen3_moe")
@@ -40,7 +27,7 @@ def moe_path(tiny_checkpoint):
 
 def _check_against_hf(path, prompts, outputs, asked):
     seqs = [p + o.outputs[0].token_ids[:-1] for p, o, a in zip(prompts, outputs, asked) if a]
-    expected = iter(_hf_top_k(path, seqs))
+    expected = iter(hf_router_top_k(path, seqs))
     for prompt, out, ask in zip(prompts, outputs, asked):
         c = out.outputs[0]
         if not ask:
@@ -81,7 +68,7 @@ def test_sampled_with_n_and_temperature(moe_path):
     [out] = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
     assert len(out.outputs) == 2
     seqs = [PROMPTS[0] + c.token_ids[:-1] for c in out.outputs]
-    assert [c.routed_experts for c in out.outputs] == _hf_top_k(moe_path, seqs)
+    assert [c.routed_experts for c in out.outputs] == hf_router_top_k(moe_path, seqs)
 
 
 def test_dense_model_refuses_return_routed_experts(tiny_checkpoint):
