@@ -67,6 +67,7 @@ if triton is not None:
         stride_c_block, stride_c_off, stride_c_head, stride_bt,
         GROUP: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
     ):
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -121,14 +122,14 @@ if triton is not None:
             kv_mask = n_valid[:, None] & d_mask[None, :]
             k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
             v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_N], log2 units
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N], log2 units
             visible = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         if NUM_SPLITS == 1:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows with no keys (padding) give zeros
@@ -254,7 +255,11 @@ def paged_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_table.stride(0),
         GROUP=group, KV_BLOCK_SIZE=block_size, HEAD_SIZE=head_size, BLOCK_D=block_d,
-        BLOCK_Q=block_q, NUM_SPLITS=num_splits, **cfg,
+        BLOCK_Q=block_q, NUM_SPLITS=num_splits,
+        # float32 models mean float32: Triton's default for fp32 dots is TF32 (10-bit mantissa), which
+        # made a TP=2 float32 run differ from one GPU by ~1e-3 in the logits. bf16/fp16 ignore this.
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        **cfg,
     )
     if num_splits > 1:
         _combine_splits_kernel[(metadata.num_actual_tokens, num_heads)](
