@@ -257,8 +257,8 @@ def paged_attention(
         GROUP=group, KV_BLOCK_SIZE=block_size, HEAD_SIZE=head_size, BLOCK_D=block_d,
         BLOCK_Q=block_q, NUM_SPLITS=num_splits,
         # float32 models mean float32: Triton's default for fp32 dots is TF32 (10-bit mantissa), which
-        # made a TP=2 float32 run differ from one GPU by ~1e-3 in the logits. bf16/fp16 ignore this.
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        # made a TP=2 float32 run differ from one GPU by ~1e-3 in the logits. None: Triton's default (bf16/fp16).
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         **cfg,
     )
     if num_splits > 1:

@@ -42,7 +42,7 @@ def _free(llm) -> None:
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])  # qwen3_moe: the Triton fused MoE
 def test_greedy_matches_hf_in_bf16(tiny_checkpoint, arch):
     from transformers import AutoModelForCausalLM
 
