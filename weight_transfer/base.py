@@ -45,6 +45,10 @@ class WeightUpdateInfo:
     # views_stable_per_call backends: equal keys promise that receive_weights yields the very same
     # tensor views again (same buffer, same tensors), so the worker may reuse what it built for them.
     reuse_key: Hashable | None = None
+    # Optional: consecutive runs of tensors (their counts, summing to len(names)) whose views all stay
+    # valid until the first tensor of the next run is pulled (e.g. nccl's packs), so the worker may
+    # check and land each run together instead of tensor by tensor.
+    group_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.names) == len(self.dtypes) == len(self.shapes)):

@@ -48,7 +48,7 @@ from weight_transfer.base import (
     WeightUpdateInfo,
 )
 from weight_transfer.clients import call_in_background
-from weight_transfer.packing import ALIGN, parse_tensor_list, tensor_list
+from weight_transfer.packing import ALIGN, parse_tensor_list, plan_packs, tensor_list
 from weight_transfer.process_group import (
     Check,
     StoreKeys,
@@ -243,6 +243,12 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
     def parse_update_info(self, update_info: dict) -> WeightUpdateInfo:
         info = self._parse_update_fields(update_info)
         self._require_group()
+        if type(self).backend_name == "nccl":
+            # A pack's views stay valid until the next pack is pulled (unpacked: each tensor is its own
+            # allocation); runs of the same bounded size let the worker land a run at once.
+            specs = [WireSpec(n, d, s) for n, d, s in zip(info.names, info.dtypes, info.shapes)]
+            packs = plan_packs([s.nbytes for s in specs], self.info.settings.buffer_size)
+            info.group_sizes = [len(p.slots) for p in packs]
         return info
 
     def _parse_update_fields(self, update_info: dict) -> WeightUpdateInfo:

@@ -282,6 +282,8 @@ class WeightUpdater:
             self._validate(list(zip(info.names, info.dtypes, info.shapes)))  # before anything moves
         if engine.views_stable_per_call and self.rollback != "none":
             return self._update_together(engine, info, plan)
+        if info.group_sizes and self.rollback != "none":
+            return self._update_in_groups(engine, info)
         first_saved_here: list[str] = []  # rollback copies this call made (restored if it fails)
         resaved: dict[str, torch.Tensor] = {}  # call-start values of weights an earlier call changed
         # NaN/inf checks are queued on the device and read once per call (one host sync, not one per tensor).
@@ -362,6 +364,62 @@ class WeightUpdater:
             if plan.srcs and plan.srcs[0].is_cuda:  # the backend's buffer is reused once this call returns
                 torch.cuda.current_stream(plan.srcs[0].device).synchronize()
         return len(received)
+
+    def _update_in_groups(self, engine: WeightTransferEngine, info) -> int:
+        """update_weights for backends that deliver runs of tensors valid together (info.group_sizes,
+        e.g. nccl's packs): each run is checked (one finite check, one host sync) and landed with one
+        multi-tensor copy before the next run is pulled, instead of a few kernels and checks per tensor.
+
+        Rollback is the streamed path's: a bad tensor undoes this call's changes; a failed transfer
+        restores everything since start_update and ends the update.
+        """
+        if sum(info.group_sizes) != len(info.names):
+            raise ValueError(f"the backend's group_sizes cover {sum(info.group_sizes)} of {len(info.names)} tensors")
+        first_saved_here: list[str] = []  # rollback copies this call made (restored if it fails)
+        resaved: dict[str, torch.Tensor] = {}  # call-start values of weights an earlier call changed
+        stream = engine.receive_weights(info)
+        name = None
+        count = 0
+        try:
+            for size in info.group_sizes:
+                group = []
+                for _ in range(size):
+                    name, item = next(stream)
+                    group.append((name, item))
+                try:
+                    plan = self._plan(group)
+                    if plan.checked:
+                        norms = torch._foreach_norm(plan.checked, float("inf"))
+                        _raise_if_not_finite(plan.checked_names, torch.isfinite(torch.stack(norms)))
+                except ValueError as e:
+                    self._restore(first_saved_here, resaved)
+                    raise ValueError(f"weight update rejected, no weight was changed: {e}") from None
+                touched = list(dict.fromkeys([*plan.targets, *(t for t, _ in plan.rest)]))
+                for target in touched:
+                    if target in self._saved and target not in first_saved_here and target not in resaved:
+                        resaved[target] = self.layout[target].tensor().clone()
+                fresh = [t for t in touched if t not in self._saved]
+                self._save_many([(t, self.layout[t].tensor()) for t in fresh])
+                first_saved_here += fresh
+                with torch.no_grad():
+                    if plan.dsts:
+                        torch._foreach_copy_(plan.dsts, plan.srcs)
+                    for target, t in plan.rest:
+                        self._land(target, t)
+                count += size
+            next(stream, None)  # runs the backend's stream to its end (it marks the call complete)
+        except ValueError:
+            raise
+        except Exception as e:  # the transfer failed: undo the whole update and end it
+            where = f" at {name!r}" if name is not None else " before the first tensor arrived"
+            self._abort()
+            raise WeightTransferError(
+                f"update_weights: the transfer failed{where}: {type(e).__name__}: {e}; "
+                "the update was aborted and the previous weights restored"
+            ) from e
+        finally:
+            stream.close()
+        return count
 
     def _plan(self, received: list[tuple[str, "torch.Tensor | SparseWeightPatch"]]) -> "_LandingPlan":
         """Checks one call's received tensors against the model (ValueError names the first bad one)

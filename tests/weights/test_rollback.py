@@ -63,10 +63,21 @@ class ScriptedReusedBackend(ScriptedTogetherBackend):
         return info
 
 
+class ScriptedGroupedBackend(ScriptedBackend):
+    """The same, delivering runs of 3 tensors valid together (as nccl's packs): the worker lands run by run."""
+
+    def parse_update_info(self, update_info: dict) -> WeightUpdateInfo:
+        info = super().parse_update_info(update_info)
+        n = len(info.names)
+        info.group_sizes = [3] * (n // 3) + ([n % 3] if n % 3 else [])
+        return info
+
+
 register_engine_backend("scripted", ScriptedBackend)
+register_engine_backend("scripted-grouped", ScriptedGroupedBackend)
 register_engine_backend("scripted-together", ScriptedTogetherBackend)
 register_engine_backend("scripted-reused", ScriptedReusedBackend)
-BACKENDS = pytest.mark.parametrize("backend", ["scripted", "scripted-together"])
+BACKENDS = pytest.mark.parametrize("backend", ["scripted", "scripted-together", "scripted-grouped"])
 
 
 def _llm(path, **kwargs) -> LLM:
