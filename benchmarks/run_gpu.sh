@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tier and the GPU benchmarks in one device call; logs and JSON go to $OUT (default benchmarks/out).
-# Usage: benchmarks/run_gpu.sh [tests] [a] [b] [c] [d] [w]   (no argument: all of them)
+# Usage: benchmarks/run_gpu.sh [tests] [a] [b] [c] [d] [w] [s]   (no argument: all but s)
 set -uo pipefail
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -22,6 +22,7 @@ for part in $parts; do
          --input-len 100 1024 --output-len 100 1024 --max-num-seqs 256 --max-num-batched-tokens 8192 \
          --temperature 0.6 --hf-num-requests 8 --hf-batch-size 8 --json-out "$OUT/h200-7b-offline-throughput.json"
        run decode_7b $py benchmarks/decode_latency.py --shape qwen2.5-7b --json-out "$OUT/h200-7b-decode-latency.json" ;;
+    s) run sampling_micro $py benchmarks/sampling_micro.py --device cuda --out "$OUT/h200-sampling-micro.json" ;;
     w) run weight_sync $py benchmarks/weight_sync.py --device cuda --backends ipc --buffer-mib 1024 --syncs 5 \
          --models qwen3-0.6b qwen2.5-1.5b qwen2.5-7b --json-out "$OUT/h200-weight-sync.json" ;;
     *) echo "unknown part $part" ;;

@@ -23,8 +23,9 @@ class SamplingMetadata:
     top_k: torch.Tensor | None  # [B] int64; 0 = off for that row
     top_p: torch.Tensor | None  # [B] float32; 1.0 = off
     min_p: torch.Tensor | None  # [B] float32; 0.0 = off
-    # Seeded rows: row -> a generator seeded from (request seed, output position), so a
-    # request's randomness does not depend on the rest of the batch.
+    # Seeded rows: row -> a generator seeded with mix_seed(request seed, output position). The
+    # sampler uses its initial_seed() as the row's noise key (it never draws from it), so a
+    # request's token does not depend on the rest of the batch, nor on CPU vs GPU.
     generators: dict[int, torch.Generator]
     # Penalties; None when no row uses any of them.
     presence_penalties: torch.Tensor | None  # [B] float32

@@ -1,8 +1,10 @@
-"""Batch-independent random sampling by the exponential race, and per-(seed, position) generators."""
+"""Batch-independent random sampling: per-row 63-bit noise keys from (seed, position) or a generator, and the draw."""
 
 from __future__ import annotations
 
 import torch
+
+from engine.kernels.sampling import gumbel_sample
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
@@ -22,32 +24,56 @@ def mix_seed(seed: int, position: int) -> int:
 
 
 def make_generator(seed: int, position: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A fresh generator for one seeded request at one output position.
+    """A generator whose initial_seed() is mix_seed(seed, position): one seeded request at one output position.
 
-    Built anew each step from (seed, position) alone, so a seeded request draws the same
-    randomness whatever batch it is in and however often it was preempted and recomputed.
+    The sampler reads only initial_seed() (the row's noise key), so the generator lives on
+    the CPU whatever `device` says (kept for callers; creating device generators per row per
+    step would cost for nothing). Built anew each step from (seed, position) alone, so a
+    seeded request draws the same noise whatever batch it is in and however often it was
+    preempted and recomputed.
     """
-    gen = torch.Generator(device=device)
+    del device
+    gen = torch.Generator()
     gen.manual_seed(mix_seed(seed, position))
     return gen
 
 
-def sample_from_probs(
-    probs: torch.Tensor,  # [B, V] float32, rows sum to 1
+def sampling_keys(
+    num_rows: int,
+    generators: dict[int, torch.Generator],
+    generator: torch.Generator | None,
+    device: torch.device,
+) -> torch.Tensor:  # [B] int64, each in [0, 2^63)
+    """One noise key per row: a seeded row's generator's initial_seed(), else a fresh draw.
+
+    Unseeded rows draw their keys from `generator` (torch's default generator of `device`
+    when None), one batched draw per step.
+    """
+    if len(generators) < num_rows:
+        gen_device = device if generator is None else generator.device
+        keys = torch.randint(0, _MASK63, (num_rows,), generator=generator, device=gen_device, dtype=torch.int64)
+        keys = keys.to(device)
+    else:
+        keys = torch.empty(num_rows, dtype=torch.int64, device=device)
+    if generators:
+        rows = torch.tensor(list(generators), dtype=torch.int64)
+        seeded = torch.tensor([gen.initial_seed() & _MASK63 for gen in generators.values()], dtype=torch.int64)
+        keys[rows.to(device)] = seeded.to(device)
+    return keys
+
+
+def sample_from_logits(
+    logits: torch.Tensor,  # [B, V] float32: temperature, top-k/top-p/min-p already applied (masked = -inf)
     generators: dict[int, torch.Generator],
     generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Draws one token per row: argmax(probs / q) with q ~ Exp(1) i.i.d. is a draw from probs.
+) -> torch.Tensor:  # [B] int64
+    """Draws one token per row from softmax(logits) by Gumbel-max with counter-based noise.
 
-    Rows in `generators` take q from their own generator, one row at a time, so their token
-    depends only on their own probs and generator; the other rows share one batch-wide draw
-    from `generator` (torch's default generator when None). Returns [B] int64.
+    argmax_v(logits[v] + G(key, v)) with G i.i.d. Gumbel(0, 1) is an exact draw from
+    softmax(logits) (up to the noise's float32 resolution, see engine/kernels/sampling.py).
+    G is a hash of (row key, v), so a seeded row's token depends only on its own logits,
+    seed and position; the Triton kernel (GPU) and the torch reference (CPU) compute the
+    same noise, so they agree too.
     """
-    q = torch.empty_like(probs)  # [B, V]
-    if len(generators) < probs.shape[0]:
-        q.exponential_(generator=generator)
-    for row, gen in generators.items():
-        q[row].exponential_(generator=gen)
-    # Exp(1) can return exactly 0; clamp so a zero-prob token gives 0, never 0/0 = nan.
-    q.clamp_min_(torch.finfo(q.dtype).tiny)
-    return probs.div(q).argmax(dim=-1)
+    keys = sampling_keys(logits.shape[0], generators, generator, logits.device)  # [B]
+    return gumbel_sample(logits, keys)

@@ -10,7 +10,7 @@ from engine.sample.logits_processors import apply_allowed_token_ids, apply_bad_w
 from engine.sample.logprobs import LogprobsTensors, gather_logprobs
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.penalties import apply_penalties
-from engine.sample.random_sampling import sample_from_probs
+from engine.sample.random_sampling import sample_from_logits
 from engine.sample.topk_topp import apply_min_p, apply_temperature, apply_top_k_top_p
 
 # Same threshold as SamplingParams.greedy, so a near-zero temperature never divides logits.
@@ -43,12 +43,13 @@ class Sampler:
       4. greedy rows: argmax of the logits so far
       5. random rows: temperature, top-k / top-p, min-p
       6. processed snapshot (processed_* modes)
-      7. random rows: exponential-race sampling
+      7. random rows: one-pass Gumbel-max with counter-based noise keyed by (seed, position)
+         for seeded rows, by a fresh draw from the generator for the others
       8. logprobs of the sampled token plus the top-K from the chosen snapshot
     """
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
-        # Draws for unseeded rows; None uses torch's default generator.
+        # Noise keys for unseeded rows; None uses torch's default generator.
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
@@ -110,8 +111,7 @@ class Sampler:
                 apply_min_p(logits, min_p)
 
             # (7) sample; greedy rows keep their argmax.
-            probs = logits.softmax(dim=-1)  # [B, V]
-            random_ids = sample_from_probs(probs, md.generators, self.generator)  # [B]
+            random_ids = sample_from_logits(logits, md.generators, self.generator)  # [B]
             sampled = random_ids if greedy_mask is None else torch.where(greedy_mask, greedy_ids, random_ids)
 
         # (6) processed snapshot (taken after sampling only because nothing below changes logits).
