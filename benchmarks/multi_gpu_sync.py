@@ -35,7 +35,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from weight_sync import _free_port, perturb, trainer_state  # noqa: E402
+from weight_sync import _free_port, perturb, trainer_state
 
 _READY = re.compile(r"^rollout: serving (\S+) at (http://\S+)$")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -168,14 +168,12 @@ def greedy_check(server: Server, model, vocab: int, args) -> dict:
 
 
 def bench_model(model: str, args, done: list[dict]) -> list[dict]:
-    from gpu_common import shape_config
+    from gpu_common import SHAPES, shape_config
+    from weight_sync import model_path
 
     from weight_transfer import StateDictSource, trainer_init
     from weight_transfer.checksums import hf_state_checksums
     from weight_transfer.clients import HTTPWeightSyncClient
-
-    from gpu_common import SHAPES
-    from weight_sync import model_path
 
     dummy = model in SHAPES  # published shapes: random weights in the server too; tiny models: their checkpoint
     model_dir = shape_config(model) if dummy else model_path(model, "cpu")

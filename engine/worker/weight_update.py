@@ -333,12 +333,7 @@ class WeightUpdater:
         except ValueError as e:
             raise ValueError(f"weight update rejected, no weight was changed: {e}") from None
         except Exception as e:  # the transfer failed: undo the whole update and end it
-            where = f" at {name!r}" if name is not None else " before the first tensor arrived"
-            self._abort()
-            raise WeightTransferError(
-                f"update_weights: the transfer failed{where}: {type(e).__name__}: {e}; "
-                "the update was aborted and the previous weights restored"
-            ) from e
+            raise self._transfer_failed(e, name) from e
         try:
             if plan is None:
                 plan = self._plan(received)
@@ -411,15 +406,19 @@ class WeightUpdater:
         except ValueError:
             raise
         except Exception as e:  # the transfer failed: undo the whole update and end it
-            where = f" at {name!r}" if name is not None else " before the first tensor arrived"
-            self._abort()
-            raise WeightTransferError(
-                f"update_weights: the transfer failed{where}: {type(e).__name__}: {e}; "
-                "the update was aborted and the previous weights restored"
-            ) from e
+            raise self._transfer_failed(e, name) from e
         finally:
             stream.close()
         return count
+
+    def _transfer_failed(self, error: Exception, name: str | None) -> WeightTransferError:
+        """After a failed transfer: restores everything since start_update, ends the update, and gives the error to raise."""
+        where = f" at {name!r}" if name is not None else " before the first tensor arrived"
+        self._abort()
+        return WeightTransferError(
+            f"update_weights: the transfer failed{where}: {type(error).__name__}: {error}; "
+            "the update was aborted and the previous weights restored"
+        )
 
     def _plan(self, received: list[tuple[str, "torch.Tensor | SparseWeightPatch"]]) -> "_LandingPlan":
         """Checks one call's received tensors against the model (ValueError names the first bad one)

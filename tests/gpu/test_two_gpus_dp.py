@@ -8,6 +8,7 @@ import os
 import httpx
 import pytest
 import torch
+from rl_http import local_update_over_http
 from safetensors.torch import load_file
 
 from engine.tiny_models import make_tiny_checkpoint
@@ -92,7 +93,6 @@ def test_sleep_frees_memory_on_both_gpus_and_wake_up_restores_outputs(http):
 
 def test_a_weight_update_reaches_both_gpus(http, tiny_checkpoint, tmp_path_factory):
     from weight_transfer import hf_state_checksums
-    from weight_transfer.local import make_update_info
 
     def bf16(path: str) -> dict[str, torch.Tensor]:  # the engines' dtype: what a trainer sends them
         return {k: v.to(torch.bfloat16) for k, v in load_file(os.path.join(path, "model.safetensors")).items()}
@@ -101,16 +101,7 @@ def test_a_weight_update_reaches_both_gpus(http, tiny_checkpoint, tmp_path_facto
     new = bf16(make_tiny_checkpoint(tmp_path_factory.mktemp("gpu-dp-seed1"), "llama", seed=1))
     before = _burst(http, 4)
     for weights, version in ((new, "v1"), (original, "v2")):
-        for path, body in [
-            ("/pause?mode=wait", None),
-            ("/init_weight_transfer_engine", {"init_info": {"backend": "local"}}),
-            ("/start_weight_update", None),
-            ("/update_weights", {"update_info": make_update_info(weights.items(), encoding="b64")}),
-            ("/finish_weight_update", {"weight_version": version}),
-            ("/resume", None),
-        ]:
-            r = http.post(path, json=body) if body is not None else http.post(path)
-            assert r.status_code == 200, (path, r.text)
+        local_update_over_http(http, weights, version)
         report = http.post("/weight_checker", json={"baseline": hf_state_checksums(weights)}).json()
         assert report["match"] is True and [e["match"] for e in report["engines"]] == [True, True]
         outputs = _burst(http, 4)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import threading
-
 import time
 
 import httpx
 import pytest
 import torch
 from hf_reference import hf_greedy
+from rl_http import local_update_over_http
 from safetensors.torch import load_file
 
 from engine.tiny_models import make_tiny_checkpoint
@@ -309,21 +309,6 @@ def test_abort_requests_ends_a_running_stream(http):
 # ---------------------------------------------------------------------------- weights
 
 
-def _update(http, weights: dict, version: str) -> None:
-    from weight_transfer.local import make_update_info
-
-    for path, body in [
-        ("/pause?mode=wait", None),
-        ("/init_weight_transfer_engine", {"init_info": {"backend": "local"}}),
-        ("/start_weight_update", None),
-        ("/update_weights", {"update_info": make_update_info(weights.items(), encoding="b64")}),
-        ("/finish_weight_update", {"weight_version": version}),
-        ("/resume", None),
-    ]:
-        r = http.post(path, json=body) if body is not None else http.post(path)
-        assert r.status_code == 200, (path, r.text)
-
-
 def test_weight_update_over_http_matches_hf_with_the_new_weights(http, tiny_checkpoint, tmp_path_factory):
     from weight_transfer import hf_state_checksums
     from weight_transfer.local import make_update_info
@@ -340,7 +325,7 @@ def test_weight_update_over_http_matches_hf_with_the_new_weights(http, tiny_chec
     check = http.post("/weight_checker", json={"baseline": baseline_new}).json()
     assert check["match"] is False and check["mismatches"]
 
-    _update(http, new, "v1")
+    local_update_over_http(http, new, "v1")
     info = http.get("/weight_info").json()
     assert info["weight_version"] == "v1"
     assert http.post("/weight_checker", json={"baseline": baseline_new}).json()["match"] is True
@@ -363,7 +348,7 @@ def test_weight_update_over_http_matches_hf_with_the_new_weights(http, tiny_chec
     assert r.status_code == 200 and r.json() == {"weight_version": "v1.1"}
     assert http.get("/weight_info").json()["weight_version"] == "v1.1"
 
-    _update(http, original, "v2")  # back to what the other tests expect
+    local_update_over_http(http, original, "v2")  # back to what the other tests expect
     assert http.post("/weight_checker", json={"baseline": hf_state_checksums(original)}).json()["match"] is True
     restored = _greedy(http, prompt_ids, 12)
     assert restored["token_ids"] == before and restored["weight_versions"] == [["v2", 0, 12]]

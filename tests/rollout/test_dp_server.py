@@ -10,6 +10,7 @@ import threading
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from rl_http import local_update_over_http
 from safetensors.torch import load_file
 
 from engine.sampling_params import SamplingParams
@@ -165,22 +166,12 @@ def test_pause_with_one_engine_busy_and_one_idle_returns_and_resume_restarts_bot
 
 def test_a_weight_update_over_http_reaches_both_engines(http, tiny_checkpoint, tmp_path_factory):
     from weight_transfer import hf_state_checksums
-    from weight_transfer.local import make_update_info
 
     original = load_file(os.path.join(tiny_checkpoint("llama"), "model.safetensors"))
     new = load_file(os.path.join(make_tiny_checkpoint(tmp_path_factory.mktemp("dp-seed1"), "llama", seed=1),
                                  "model.safetensors"))
     for weights, version in ((new, "v1"), (original, "v2")):
-        for path, body in [
-            ("/pause?mode=wait", None),
-            ("/init_weight_transfer_engine", {"init_info": {"backend": "local"}}),
-            ("/start_weight_update", None),
-            ("/update_weights", {"update_info": make_update_info(weights.items(), encoding="b64")}),
-            ("/finish_weight_update", {"weight_version": version}),
-            ("/resume", None),
-        ]:
-            r = http.post(path, json=body) if body is not None else http.post(path)
-            assert r.status_code == 200, (path, r.text)
+        local_update_over_http(http, weights, version)
         assert http.get("/weight_info").json()["weight_version"] == version
         report = http.post("/weight_checker", json={"baseline": hf_state_checksums(weights)}).json()
         assert report["match"] is True and [e["match"] for e in report["engines"]] == [True, True]
