@@ -356,6 +356,10 @@ class AsyncLLM:
         """A lockstep engine's wave and step counters (engine/dp_core_proc.py); EngineUtilityError on any other engine."""
         return await self._control("get_dp_state")
 
+    async def reconfigure_elastic_ep(self, plan: dict) -> None:
+        """A lockstep engine's part of an elastic EP size change (DPEngineCoreProc.reconfigure_elastic_ep); RolloutGroup drives it."""
+        await self._control("reconfigure_elastic_ep", plan)
+
     async def get_world_size(self) -> int:
         """The engine's worker count: one per tensor-parallel rank."""
         return self.config.parallel.tensor_parallel_size

@@ -141,6 +141,8 @@ class ParallelConfig:
     """Rendezvous host of the group's process groups."""
     data_parallel_master_port: int = 0
     """Rendezvous base port: the engine cores' DP sync group (gloo) at this port, the workers' EP group at port + 1; 0: unset (the group picks free ports)."""
+    data_parallel_join_later: bool = False
+    """Elastic EP (set by RolloutGroup.prepare_elastic_ep for an engine added to a running group): start outside the DP sync and EP groups, holding every expert of the checkpoint, and join when the group's reconfigure call comes."""
 
     def __post_init__(self) -> None:
         if self.ray_placement_strategy not in ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"):

@@ -32,6 +32,13 @@ data_parallel_master_port (hosted by the group's frontend, which also publishes 
 addresses there), never torch.distributed's default group, so a tensor-parallel worker in this
 process keeps that one; DPSyncGroup.rebuild(rank, size, generation) tears it down and builds it
 again with another size (elastic EP).
+
+Elastic EP (rollout/elastic_ep.py): an engine added to a running group starts with
+data_parallel_join_later, joining neither group; the reconfigure_elastic_ep utility call, made
+on every engine of the old and new group at once while the group is paused, has the workers
+move experts and rebuild the EP group (engine/worker/elastic_ep.py), then joins this engine to
+the sync group's next generation (connecting a new engine to the coordinator) or, for an engine
+that leaves, leaves it.
 """
 
 from __future__ import annotations
@@ -172,10 +179,17 @@ class DPEngineCoreProc(EngineCoreProc):
         super().__init__(config, input_addresses, output_addresses, engine_index)
 
     def _init_before_ready(self) -> None:
+        if self.parallel.data_parallel_join_later:
+            return  # elastic EP: joins by reconfigure_elastic_ep, once the group is ready for it
         # Blocks until every engine of the group has joined: the group starts them together.
+        self._join(self.dp_rank, self.dp_size, generation=0)
+
+    def _join(self, rank: int, size: int, generation: int) -> None:
+        """Joins the DP sync group (generation `generation`) and connects to the coordinator as `rank`."""
         self.dp_group = DPSyncGroup(
-            self.parallel.data_parallel_master_ip, self.parallel.data_parallel_master_port, self.dp_rank, self.dp_size
+            self.parallel.data_parallel_master_ip, self.parallel.data_parallel_master_port, rank, size, generation
         )
+        self.dp_rank, self.dp_size = rank, size
         addresses = self.dp_group.coordinator_addresses()
         self._notify_socket = self.ctx.socket(zmq.PUSH)  # the busy loop's: START_WAVE notices out
         waves = self.ctx.socket(zmq.DEALER)  # the coordinator thread's: hello out, START_WAVE in
@@ -290,7 +304,7 @@ class DPEngineCoreProc(EngineCoreProc):
             for waiter_client, waiter_call in pending.waiters:
                 failure = "RuntimeError: the pause was cancelled by resume() before every engine reached it"
                 self._answer(waiter_client, UtilityOutput(waiter_call, failure_message=failure))
-        if method in ("get_dp_state", "rebuild_dp_group"):
+        if method in ("get_dp_state", "rebuild_dp_group", "reconfigure_elastic_ep"):
             try:
                 answer = UtilityOutput(call_id, result=getattr(self, method)(*args))
             except Exception as e:
@@ -339,6 +353,35 @@ class DPEngineCoreProc(EngineCoreProc):
             raise RuntimeError("rebuild_dp_group: a wave is running; pause the group first")
         self.dp_group.rebuild(rank, size, generation)
         self.dp_rank, self.dp_size = rank, size
+
+    def reconfigure_elastic_ep(self, plan: dict) -> None:
+        """Elastic EP, this engine's part of a size change (every engine of the old and the new group at once, the group paused).
+
+        plan: {"old_size", "new_size", "old_rank" (None: this engine joins), "new_rank" (None: it
+        leaves), "generation" (of the new DP sync group), "ep_init_method" (the new EP group's
+        rendezvous)}. The workers first move experts and rebuild the EP group
+        (engine/worker/elastic_ep.py), then this engine joins the DP sync group's new generation
+        (a joining engine also connects to the coordinator; a leaving one leaves the sync group).
+        """
+        if self.wave_running or self.engine_core.has_unfinished_requests():
+            raise RuntimeError("reconfigure_elastic_ep: the engine is stepping; pause the group first")
+        joining = self.dp_group is None
+        if joining != (plan.get("old_rank") is None):
+            raise RuntimeError(f"reconfigure_elastic_ep: plan {plan} does not match this engine (joined: {not joining})")
+        self.engine_core.executor.collective_rpc("reconfigure_elastic_ep", (plan,))
+        rank, size, generation = plan["new_rank"], plan["new_size"], plan["generation"]
+        if rank is None:
+            self.dp_group.close_group()
+            self.dp_size = size
+            return
+        if joining:
+            self._join(rank, size, generation)
+        else:
+            self.rebuild_dp_group(rank, size, generation)
+        # A new engine takes the group's wave counter (the old engines all stand at the same one): a
+        # START_WAVE it sent for its own wave 0 would be stale to them, and theirs must not be to it.
+        total, num_old = self.dp_group.all_reduce([0 if joining else self.current_wave, int(not joining)])
+        self.current_wave = total // num_old
 
     # ---- the coordinator connection ----------------------------------------------------------
 

@@ -46,7 +46,7 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
         raise ValueError(
             f"max_model_len: {model.max_model_len} exceeds the model's max_position_embeddings={limit}"
         )
-    num_experts = next((hf_config[k] for k in _NUM_EXPERTS_KEYS if hf_config.get(k)), 0)
+    num_experts = num_routed_experts(hf_config)
     tp_size = built["parallel"].tensor_parallel_size
     if num_experts and tp_size > 1:  # checked here too, so no worker process is started for nothing
         raise ValueError(
@@ -59,3 +59,8 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
 
 # config.json keys that give a mixture-of-experts model's number of routed experts (Qwen-MoE, Mixtral, DeepSeek).
 _NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def num_routed_experts(hf_config: dict) -> int:
+    """A mixture-of-experts config.json's number of routed experts; 0 for a dense model."""
+    return next((hf_config[k] for k in _NUM_EXPERTS_KEYS if hf_config.get(k)), 0)

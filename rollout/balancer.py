@@ -119,6 +119,20 @@ class LoadBalancer:
         self.num_in_flight[engine] -= 1
         assert self.outstanding_tokens[engine] >= 0 and self.num_in_flight[engine] >= 0, "finished() without started()"
 
+    def resize(self, num_engines: int) -> None:
+        """Elastic EP: engines are added at the end or removed from the end (a removed one must have nothing in flight)."""
+        if num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        if any(self.num_in_flight[num_engines:]):
+            raise ValueError(f"resize: engines {num_engines}.. still have requests in flight")
+        extra = max(0, num_engines - self.num_engines)
+        for counts in (self.outstanding_tokens, self.num_in_flight, self.num_routed):
+            del counts[num_engines:]
+            counts.extend([0] * extra)
+        for owners in self._prefix_owners.values():
+            owners.difference_update(range(num_engines, self.num_engines))
+        self.num_engines = num_engines
+
     def forget_engine(self, engine: int) -> None:
         """Drops what is known about `engine`'s prefix cache (it was reset, or its weights changed)."""
         for owners in self._prefix_owners.values():

@@ -51,6 +51,13 @@ class Coordinator:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         self.loads = [EngineLoad() for _ in range(num_engines)]
 
+    def resize(self, num_engines: int) -> None:
+        """Elastic EP: engines are added at the end (fresh loads) or removed from the end."""
+        if num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        del self.loads[num_engines:]
+        self.loads.extend(EngineLoad() for _ in range(num_engines - len(self.loads)))
+
     def listener(self, engine_index: int) -> StatLoggerBase:
         """The stat logger to add to engine `engine_index`'s StatLoggerManager."""
         return _EngineStatsListener(self.loads[engine_index])

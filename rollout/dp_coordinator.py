@@ -3,6 +3,8 @@
     engine i (idle, gets work) --START_WAVE(N)--> coordinator PULL ("notify")
     coordinator ROUTER ("waves") --START_WAVE(N)--> every other engine (identity = its dp rank)
     engine j --hello--> coordinator ROUTER: delivers the newest START_WAVE kept for j
+    frontend --{"op": "resize" | "state"}--> coordinator REP ("control"): elastic EP changes the
+        engine count; the frontend polls which engine identities are connected
 
 The frontend side, DPCoordinatorHandle, hosts the group's TCPStore (the rendezvous of the engine
 cores' DP sync group, engine/dp_core_proc.py) at data_parallel_master_ip:data_parallel_master_port,
@@ -71,12 +73,38 @@ class WaveRouter:
                 self.kept[engine] = max(self.kept.get(engine, wave), wave)
         return deliveries
 
+    def resize(self, num_engines: int) -> None:
+        """Elastic EP: the group now has `num_engines` engines. Engines past the end are forgotten (a
+        later engine with the same rank is a new process that must say hello again)."""
+        if num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        self.num_engines = num_engines
+        self.connected = {e for e in self.connected if e < num_engines}
+        self.kept = {e: w for e, w in self.kept.items() if e < num_engines}
+
+    def state(self) -> dict:
+        """{"num_engines", "connected": sorted ranks, "wave", "num_waves_forwarded"}."""
+        return {"num_engines": self.num_engines, "connected": sorted(self.connected), "wave": self.wave,
+                "num_waves_forwarded": self.num_waves_forwarded}
+
     def _check(self, engine: int) -> None:
         if not 0 <= engine < self.num_engines:
             raise ValueError(f"engine {engine} is out of range [0, {self.num_engines})")
 
 
-def run_dp_coordinator(notify_address: str, waves_address: str, num_engines: int) -> None:
+def _control(router: WaveRouter, request: dict) -> dict:
+    """One control request of the frontend: {"op": "resize", "num_engines": N} or {"op": "state"}; answers the state or {"error"}."""
+    try:
+        if request.get("op") == "resize":
+            router.resize(int(request["num_engines"]))
+        elif request.get("op") != "state":
+            raise ValueError(f"unknown control op {request.get('op')!r}")
+    except (KeyError, TypeError, ValueError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    return router.state()
+
+
+def run_dp_coordinator(notify_address: str, waves_address: str, num_engines: int, control_address: str | None = None) -> None:
     """The coordinator process's entry point: route waves until SIGTERM or the parent's death."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle
     _exit_with_parent()
@@ -86,14 +114,27 @@ def run_dp_coordinator(notify_address: str, waves_address: str, num_engines: int
     notify.bind(notify_address)
     waves = ctx.socket(zmq.ROUTER)
     waves.setsockopt(zmq.SNDHWM, 0)
+    # A rank that left and came back (elastic EP) is a new process under the old identity: it takes over.
+    waves.setsockopt(zmq.ROUTER_HANDOVER, 1)
     waves.bind(waves_address)
+    control = ctx.socket(zmq.REP)
+    if control_address is not None:
+        control.bind(control_address)
     decoder = msgspec.msgpack.Decoder(WaveMessage)
     poller = zmq.Poller()
     poller.register(notify, zmq.POLLIN)
     poller.register(waves, zmq.POLLIN)
+    poller.register(control, zmq.POLLIN)
     try:
         while True:
             for sock, _ in poller.poll(_POLL_MS):
+                if sock is control:
+                    try:
+                        request = json.loads(control.recv())
+                    except ValueError:
+                        request = {}
+                    control.send(json.dumps(_control(router, request if isinstance(request, dict) else {})).encode())
+                    continue
                 if sock is waves:
                     _identity, payload = waves.recv_multipart()
                 else:
@@ -115,6 +156,7 @@ def run_dp_coordinator(notify_address: str, waves_address: str, num_engines: int
     finally:
         notify.close(linger=0)
         waves.close(linger=0)
+        control.close(linger=0)
         ctx.term()
 
 
@@ -166,10 +208,12 @@ class DPCoordinatorHandle:
         self._tmpdir = tempfile.mkdtemp(prefix="dp-coordinator-")
         self.notify_address = f"ipc://{self._tmpdir}/notify"
         self.waves_address = f"ipc://{self._tmpdir}/waves"
+        self.control_address = f"ipc://{self._tmpdir}/control"
+        self._control_lock = threading.Lock()
         ctx = multiprocessing.get_context("spawn")
         self.proc = ctx.Process(
             target=run_dp_coordinator,
-            args=(self.notify_address, self.waves_address, num_engines),
+            args=(self.notify_address, self.waves_address, num_engines, self.control_address),
             name="DPCoordinator",
             daemon=True,
         )
@@ -179,6 +223,34 @@ class DPCoordinatorHandle:
 
     def is_alive(self) -> bool:
         return self.proc.is_alive()
+
+    def control(self, request: dict, timeout_s: float = 10.0) -> dict:
+        """Sends one control request to the coordinator process and returns its answer (blocking; RuntimeError on failure)."""
+        with self._control_lock:
+            ctx = zmq.Context.instance()
+            sock = ctx.socket(zmq.REQ)
+            try:
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(self.control_address)
+                sock.send(json.dumps(request).encode())
+                if not sock.poll(int(timeout_s * 1000)):
+                    raise RuntimeError(f"the DP coordinator did not answer {request} within {timeout_s} s")
+                answer = json.loads(sock.recv())
+            finally:
+                sock.close(linger=0)
+        if "error" in answer:
+            raise RuntimeError(f"DP coordinator: {answer['error']}")
+        return answer
+
+    def resize(self, num_engines: int) -> dict:
+        """Elastic EP: the coordinator routes waves among `num_engines` engines from now on; returns its state."""
+        state = self.control({"op": "resize", "num_engines": num_engines})
+        self.num_engines = num_engines
+        return state
+
+    def state(self) -> dict:
+        """The coordinator's {"num_engines", "connected", "wave", "num_waves_forwarded"}."""
+        return self.control({"op": "state"})
 
     def shutdown(self) -> None:
         self._finalizer()

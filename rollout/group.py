@@ -21,6 +21,10 @@ group's TCPStore at data_parallel_master_ip:data_parallel_master_port (a free po
 unset). pause() is the same fan-out: each engine answers once every engine has reached the
 pause (consensus), so it returns with all of them paused at the same step; sleep() pauses first.
 
+Elastic EP (lockstep groups): prepare_elastic_ep(N) reconfigures the group for N engines
+(starting or draining engines, moving experts) without routing to added ones, and
+commit_elastic_ep() starts routing and resumes; see rollout/elastic_ep.py.
+
 A failure on engine i is raised with "engine i: " in front of its message (bad input, a
 ValueError, fails alike on every engine and keeps its message so that it still names the field).
 /metrics shows every engine's series under its own `engine` label.
@@ -108,15 +112,36 @@ class RolloutGroup:
         self.balancer = LoadBalancer(len(self.engines), self.config.cache.block_size)
         self.coordinator = Coordinator(len(self.engines))
         for index, engine in enumerate(self.engines):
-            # Each frontend reports its own engine as engine 0; its log line should say which it is.
-            engine.stat_loggers.add_stat_logger(self.coordinator.listener(index), 0)
-            for stat_logger in engine.stat_loggers.per_engine_loggers[0]:
-                if isinstance(stat_logger, LoggingStatLogger):
-                    stat_logger.engine_index = index
-        self.metrics = MultiEngineMetrics([e.stat_loggers.prometheus_logger.registry for e in self.engines])
-        self.metrics.registry.register(_BalancerCollector(self))
+            self._attach(index, engine)
+        self._build_metrics()
         self._owners: dict[str, int] = {}  # request id -> index of the engine serving it
         self._ids = itertools.count()
+        self.num_routable = len(self.engines)  # requests go to engines [0, num_routable) (elastic EP drains the rest)
+        self.elastic = None  # rollout.elastic_ep.ElasticEP of a lockstep group from from_engine_args
+
+    def _attach(self, index: int, engine: AsyncLLM) -> None:
+        """Feeds engine `index`'s stats to the coordinator (the balancer's secondary load) and names it in its log line."""
+        # Each frontend reports its own engine as engine 0; its log line should say which it is.
+        engine.stat_loggers.add_stat_logger(self.coordinator.listener(index), 0)
+        for stat_logger in engine.stat_loggers.per_engine_loggers[0]:
+            if isinstance(stat_logger, LoggingStatLogger):
+                stat_logger.engine_index = index
+
+    def _build_metrics(self) -> None:
+        self.metrics = MultiEngineMetrics([e.stat_loggers.prometheus_logger.registry for e in self.engines])
+        self.metrics.registry.register(_BalancerCollector(self))
+
+    def set_engines(self, engines: Sequence[AsyncLLM]) -> None:
+        """Elastic EP: the group's engines are now `engines` (the old ones first, in order; added ones
+        at the end, removed ones from the end, none of them with requests in flight)."""
+        num_old = len(self.engines)
+        self.balancer.resize(len(engines))
+        self.coordinator.resize(len(engines))
+        self.engines = list(engines)
+        for index in range(num_old, len(engines)):
+            self._attach(index, self.engines[index])
+        self._build_metrics()
+        self.num_routable = len(self.engines)
 
     @classmethod
     def from_engine_args(
@@ -169,7 +194,12 @@ class RolloutGroup:
             if dp_coordinator is not None:
                 dp_coordinator.shutdown()
             raise failed[0]
-        return cls([f.result() for f in futures], model_name=model_name, dp_coordinator=dp_coordinator)
+        group = cls([f.result() for f in futures], model_name=model_name, dp_coordinator=dp_coordinator)
+        if dp_coordinator is not None:
+            from rollout.elastic_ep import ElasticEP
+
+            group.elastic = ElasticEP(group, engine_args, multiprocess=multiprocess, model_name=model_name)
+        return group
 
     @property
     def lockstep(self) -> bool:
@@ -195,7 +225,7 @@ class RolloutGroup:
         # No await between the check and the claim: the id is unique across all engines.
         if request_id in self._owners:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        live = [i for i, engine in enumerate(self.engines) if not engine.is_dead]
+        live = [i for i, engine in enumerate(self.engines[:self.num_routable]) if not engine.is_dead]
         if not live:
             raise EngineDeadError("every engine of the group is dead")
         cost = self._cost(token_ids, sampling_params)
@@ -337,6 +367,26 @@ class RolloutGroup:
         self.balancer.forget_prefixes()
         return all(await self._fan_out("reset_prefix_cache"))
 
+    # ---- elastic expert parallelism (rollout/elastic_ep.py) ----------------------------------------
+
+    def _elastic(self):
+        if self.elastic is None:
+            raise ValueError("elastic EP needs a lockstep group (enable_expert_parallel, data_parallel_size > 1) "
+                             "started by RolloutGroup.from_engine_args")
+        return self.elastic
+
+    async def prepare_elastic_ep(self, new_data_parallel_size: int, drain_timeout_s: float | None = None) -> dict:
+        """Reconfigures the group for `new_data_parallel_size` engines without routing to added ones (ElasticEP.prepare)."""
+        return await self._elastic().prepare(new_data_parallel_size, drain_timeout_s)
+
+    async def commit_elastic_ep(self, ready_timeout_s: float | None = None) -> dict:
+        """Finalizes the prepared change: routes to every engine of the new size and resumes (ElasticEP.commit)."""
+        return await self._elastic().commit(ready_timeout_s)
+
+    def elastic_ep_state(self) -> dict:
+        """{"data_parallel_size", "pending": the prepared change or None, "generation"}."""
+        return self._elastic().state()
+
     # ---- weights -----------------------------------------------------------------------------
 
     async def engine_world_sizes(self) -> list[int]:
@@ -449,6 +499,8 @@ class RolloutGroup:
         """Stops every engine; waiting callers get EngineDeadError."""
         for engine in self.engines:
             engine.shutdown()
+        if self.elastic is not None:
+            self.elastic.shutdown()
         if self.dp_coordinator is not None:
             self.dp_coordinator.shutdown()
 

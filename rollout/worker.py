@@ -288,6 +288,20 @@ class RolloutWorker:
     def is_sleeping(self) -> bool:
         return self._run(self.engine.is_sleeping())
 
+    def prepare_elastic_ep(self, new_data_parallel_size: int, drain_timeout_s: float | None = None) -> dict:
+        """A lockstep group only (rollout/elastic_ep.py): reconfigures for the new engine count, routing to it after commit."""
+        return self._run(self._group("prepare_elastic_ep").prepare_elastic_ep(new_data_parallel_size, drain_timeout_s))
+
+    def commit_elastic_ep(self, ready_timeout_s: float | None = None) -> dict:
+        """Finalizes prepare_elastic_ep: every engine of the new size serves, the group resumes."""
+        return self._run(self._group("commit_elastic_ep").commit_elastic_ep(ready_timeout_s))
+
+    def _group(self, method: str):
+        if not hasattr(self.engine, method):
+            raise ValueError(f"{method}: needs a lockstep data-parallel group (data_parallel_size > 1, "
+                             "enable_expert_parallel)")
+        return self.engine
+
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self._run(self.engine.init_weight_transfer_engine(init_info))
 

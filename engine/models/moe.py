@@ -39,16 +39,17 @@ def check_no_tensor_parallelism(what: str) -> None:
 
 
 def local_expert_range(num_experts: int, ep_rank: int, ep_size: int) -> range:
-    """The global ids of the experts EP rank `ep_rank` holds: a contiguous run of num_experts / ep_size.
+    """The global ids of the experts EP rank `ep_rank` holds: a contiguous run of about num_experts / ep_size
+    (sizes differ by at most one when ep_size does not divide num_experts; elastic EP resizes to any size).
 
         E = 8, ep_size = 2:   rank 0 -> [0, 4)   rank 1 -> [4, 8)
+        E = 8, ep_size = 3:   rank 0 -> [0, 2)   rank 1 -> [2, 5)   rank 2 -> [5, 8)
     """
-    if num_experts % ep_size != 0:
+    if ep_size > num_experts:
         raise ValueError(
-            f"num_experts ({num_experts}) is not divisible by the expert-parallel size ({ep_size} = data_parallel_size)"
+            f"the expert-parallel size ({ep_size} = data_parallel_size) exceeds the number of experts ({num_experts})"
         )
-    num_local = num_experts // ep_size
-    return range(ep_rank * num_local, (ep_rank + 1) * num_local)
+    return range(ep_rank * num_experts // ep_size, (ep_rank + 1) * num_experts // ep_size)
 
 
 class FusedExperts(nn.Module):
@@ -67,20 +68,29 @@ class FusedExperts(nn.Module):
         super().__init__()
         ep = get_ep()
         self.num_experts = num_experts  # of the whole model
-        self.local_experts = local_expert_range(num_experts, ep.rank, ep.size)
-        self.num_local_experts = len(self.local_experts)
+        local = local_expert_range(num_experts, ep.rank, ep.size)
         I, H = intermediate_size, hidden_size
-        w13_parts = tuple(
-            make_part((I, H), offset=shard * I, rows=I, index=j, name=f"{e}.{proj}.weight")
-            for j, e in enumerate(self.local_experts) for shard, proj in enumerate(("gate_proj", "up_proj"))
-        )
-        w2_parts = tuple(
-            make_part((H, I), index=j, name=f"{e}.down_proj.weight") for j, e in enumerate(self.local_experts)
-        )
-        self.w13_weight = _new_param(self.num_local_experts, 2 * I, H, loader=self.weight_loader, parts=w13_parts)
-        self.w2_weight = _new_param(self.num_local_experts, H, I, loader=self.weight_loader, parts=w2_parts)
+        self.w13_weight = _new_param(len(local), 2 * I, H, loader=self.weight_loader)
+        self.w2_weight = _new_param(len(local), H, I, loader=self.weight_loader)
         for param in (self.w13_weight, self.w2_weight):
-            param.local_experts, param.num_experts = self.local_experts, num_experts
+            param.num_experts = num_experts
+        self.set_local_experts(local, self.w13_weight.data, self.w2_weight.data)
+
+    def set_local_experts(self, local_experts: range, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Holds the global experts `local_experts` from now on, as the stacked tensors w13 [len, 2I, H] and w2 [len, H, I]
+        (elastic EP moves experts between ranks). The parameters keep their identity; their data and HF parts change."""
+        I, H = w2.shape[2], w2.shape[1]
+        self.local_experts, self.num_local_experts = local_experts, len(local_experts)
+        self.w13_weight.data, self.w2_weight.data = w13, w2
+        self.w13_weight.hf_parts = tuple(
+            make_part((I, H), offset=shard * I, rows=I, index=j, name=f"{e}.{proj}.weight")
+            for j, e in enumerate(local_experts) for shard, proj in enumerate(("gate_proj", "up_proj"))
+        )
+        self.w2_weight.hf_parts = tuple(
+            make_part((H, I), index=j, name=f"{e}.down_proj.weight") for j, e in enumerate(local_experts)
+        )
+        for param in (self.w13_weight, self.w2_weight):
+            param.local_experts = local_experts
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | None = None, expert_id: int | None = None

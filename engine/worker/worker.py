@@ -84,7 +84,8 @@ class Worker:
         # holds every weight, and its forward passes run no EP collective. MoE models run with
         # tensor_parallel_size 1 only, so an engine of several ranks (a dense model) joins no EP group.
         parallel = config.parallel
-        if parallel.lockstep and tp_size == 1:
+        # An engine added to a running group (elastic EP) joins later, by reconfigure_elastic_ep.
+        if parallel.lockstep and tp_size == 1 and not parallel.data_parallel_join_later:
             if parallel.data_parallel_master_port == 0:
                 raise ValueError("data_parallel_master_port: expert parallelism needs the data-parallel group's "
                                  "rendezvous port (0 is unset); the workers' EP group uses port + 1")
@@ -163,6 +164,12 @@ class Worker:
         """One forward pass of one dummy token (no request state, no KV write): keeps this rank's
         expert-parallel collectives in step with engines that have work."""
         self.model_runner.execute_dummy_batch()
+
+    def reconfigure_elastic_ep(self, plan: dict) -> None:
+        """Elastic EP: moves experts and rebuilds the expert-parallel group for a new group size (engine/worker/elastic_ep.py)."""
+        from engine.worker.elastic_ep import reconfigure_worker
+
+        reconfigure_worker(self, plan)
 
     def reset_requests(self) -> None:
         """Drops every request's state (after a failed step); weights and KV tensors stay."""

@@ -19,6 +19,7 @@ from engine.outputs import RequestOutput
 from rollout.server import formatting as F
 from rollout.server import protocol as P
 from rollout.server.config import ServerConfig
+from rollout.server.elastic_routes import elastic_router
 from rollout.server.errors import (
     ERROR_TYPES,
     AuthError,
@@ -238,6 +239,7 @@ def build_app(engine, server_config: ServerConfig, model_name: str | None = None
     # Control routes exist only when asked for (DESIGN.md: RL and weight routes are off by default).
     if server_config.enable_rl_routes:
         app.include_router(rl_router(engine, server_config.weight_transfer_backend), dependencies=auth)
+        app.include_router(elastic_router(engine), dependencies=auth)
     if engine.config.fault_tolerance.enable_fault_tolerance:
         app.include_router(fault_tolerance_router(engine), dependencies=auth)
     return app

@@ -186,12 +186,16 @@ def test_size_one_is_the_identity_and_touches_nothing():
     assert not torch.distributed.is_initialized()
 
 
-def test_experts_that_do_not_split_are_refused(tiny_checkpoint, monkeypatch):
+def test_experts_split_unevenly_and_more_ranks_than_experts_are_refused(tiny_checkpoint, monkeypatch):
     from engine.models.loader import load_hf_config, load_model
+    from engine.models.moe import moe_blocks
 
     path = tiny_checkpoint("qwen3_moe")
-    monkeypatch.setattr("engine.models.moe.get_ep", lambda: ExpertParallelState(rank=0, size=3))
-    with pytest.raises(ValueError, match=r"num_experts \(8\) is not divisible by the expert-parallel size \(3"):
+    monkeypatch.setattr("engine.models.moe.get_ep", lambda: ExpertParallelState(rank=1, size=3))
+    model = load_model(path, load_hf_config(path), torch.float32, "cpu")
+    assert [list(b.experts.local_experts) for b in moe_blocks(model)] == [[2, 3, 4]] * len(moe_blocks(model))  # 8 = 2 + 3 + 3
+    monkeypatch.setattr("engine.models.moe.get_ep", lambda: ExpertParallelState(rank=0, size=9))
+    with pytest.raises(ValueError, match=r"expert-parallel size \(9 = data_parallel_size\) exceeds the number of experts \(8\)"):
         load_model(path, load_hf_config(path), torch.float32, "cpu")
 
 

@@ -1,0 +1,61 @@
+"""The elastic EP routes (mounted with the RL routes): prepare and commit a change of a lockstep group's engine count, and its state.
+
+    POST /elastic_ep/prepare  {"new_data_parallel_size": N, "drain_timeout_s"?}  -> {"data_parallel_size", "generation", "pending"}
+    POST /elastic_ep/commit   {"ready_timeout_s"?} (or no body)                 -> the same, once the new size serves
+    GET  /elastic_ep                                          -> the same
+
+A server whose engine is not a lockstep RolloutGroup answers 400; a prepare while another change
+is prepared, or a commit with none, 409; a drain or ready timeout, 504 (rollout/elastic_ep.py).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, HTTPException
+
+from rollout.elastic_ep import ElasticEPStateError
+from rollout.server.protocol import RequestModel
+
+
+class PrepareElasticEPRequest(RequestModel):
+    new_data_parallel_size: int
+    """The group's engine count after commit (its expert-parallel size)."""
+    drain_timeout_s: float | None = None
+    """Scale down: how long the leaving engines' requests may take to finish (None: the group's default, 300 s)."""
+
+
+class CommitElasticEPRequest(RequestModel):
+    ready_timeout_s: float | None = None
+    """How long to wait until every engine of the new size is connected (None: the group's default, 120 s)."""
+
+
+def elastic_router(engine) -> APIRouter:
+    """The /elastic_ep routes over `engine` (a RolloutGroup; anything else answers 400)."""
+    router = APIRouter(prefix="/elastic_ep", tags=["elastic_ep"])
+
+    def group():
+        if not hasattr(engine, "prepare_elastic_ep"):
+            raise ValueError("elastic EP needs a lockstep data-parallel group: launch with --data-parallel-size > 1 "
+                             "and --enable-expert-parallel")
+        return engine
+
+    async def call(coro) -> dict:
+        try:
+            return await coro
+        except ElasticEPStateError as e:
+            raise HTTPException(409, str(e)) from None
+        except TimeoutError as e:
+            raise HTTPException(504, str(e)) from None
+
+    @router.post("/prepare")
+    async def prepare(body: PrepareElasticEPRequest) -> dict:
+        return await call(group().prepare_elastic_ep(body.new_data_parallel_size, body.drain_timeout_s))
+
+    @router.post("/commit")
+    async def commit(body: CommitElasticEPRequest | None = None) -> dict:
+        return await call(group().commit_elastic_ep(body.ready_timeout_s if body is not None else None))
+
+    @router.get("")
+    async def state() -> dict:
+        return group().elastic_ep_state()
+
+    return router
