@@ -141,9 +141,12 @@ def test_a_pause_of_an_idle_group_runs_one_dummy_batch(lockstep):
     lockstep.pause("wait")
     after = _states(lockstep)
     lockstep.resume()
-    for b, a in zip(before, after):
-        d = _delta(a, b)
-        assert d == {**d, "num_dummy_batches": 1, "num_real_steps": 0, "num_syncs": 1, "wave": 1, "num_pauses": 1}
+    deltas = [_delta(a, b) for b, a in zip(before, after)]
+    for d in deltas:
+        assert d == {**d, "num_real_steps": 0, "wave": 1, "num_pauses": 1, "num_syncs": d["num_dummy_batches"]}
+    # One dummy batch; two when one engine's START_WAVE (via the coordinator) reaches the other before
+    # the group's pause call does: that engine's first sync then sees only one pause pending.
+    assert deltas[0]["num_dummy_batches"] == deltas[1]["num_dummy_batches"] in (1, 2), deltas
     assert lockstep.is_paused() is False
 
 
