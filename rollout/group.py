@@ -449,12 +449,17 @@ class RolloutGroup:
 
     async def weight_checker(self, baseline: dict | None = None) -> dict:
         """Engine 0's report with `match` true only if every engine matches the baseline,
-        `consistent` whether all engines hold the same checksums, and every report in `engines`."""
+        `consistent` whether the engines agree on every weight they hold in common (under expert
+        parallelism each holds other experts), and every report in `engines`."""
         reports = await self._fan_out("weight_checker", baseline)
         combined = dict(reports[0])
         if "match" in combined:
             combined["match"] = all(r.get("match") for r in reports)
-        combined["consistent"] = all(r.get("checksums") == reports[0].get("checksums") for r in reports)
+        first = reports[0].get("checksums") or {}
+        combined["consistent"] = all(
+            all(checksums[n] == first[n] for n in checksums.keys() & first.keys())
+            for checksums in (r.get("checksums") or {} for r in reports)
+        )
         combined["engines"] = reports
         return combined
 

@@ -45,3 +45,10 @@ def test_dp2_ep2_greedy_and_routing_equal_hf(ep_group, moe_path):
     sequences = [p + o.outputs[0].token_ids[:-1] for p, o in zip(PROMPTS, outputs)]
     for out, expected in zip(outputs, hf_router_top_k(moe_path, sequences)):
         assert out.outputs[0].routed_experts == expected  # global expert ids, whichever rank holds them
+
+
+def test_engines_holding_different_experts_agree_on_the_weights_they_share(ep_group):
+    report = ep_group.weight_checker()
+    held = [set(e["checksums"]) for e in report["engines"]]
+    assert held[0] != held[1] and held[0] & held[1]  # each its own experts, the dense weights in common
+    assert report["consistent"] is True
