@@ -11,6 +11,7 @@ import asyncio
 import os
 import random
 import time
+from unittest import mock
 
 import msgspec
 import pytest
@@ -32,16 +33,9 @@ SYNC_INTERVAL = 16
 def lockstep(tiny_checkpoint):
     # One intra-op thread per engine process (they inherit the variable): two engines whose
     # thread pools each span both cores of a small CI machine step ~8x slower in lockstep.
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
+    with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):
         worker = RolloutWorker(model=tiny_checkpoint("qwen3_moe"), multiprocess=True, data_parallel_size=2,
                                enable_expert_parallel=True, dp_sync_interval=SYNC_INTERVAL, **ENGINE_ARGS)
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
     with worker:
         assert worker.engine.lockstep
         yield worker

@@ -5,10 +5,10 @@ the bad-input errors; and the HTTP routes of a real `rollout launch` server."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import threading
 import time
+from unittest import mock
 
 import httpx
 import pytest
@@ -31,18 +31,9 @@ NUM_EXPERTS = 8  # the tiny Qwen3-MoE: 8 experts, so 3 engines hold uneven range
 UPDATED = {"model.norm.weight": 1.5, "model.layers.0.mlp.experts.6.down_proj.weight": -2.0}
 
 
-@contextlib.contextmanager
 def _one_thread_per_engine():
     # Engine processes inherit it: lockstep CPU engines whose thread pools each span every core step ~8x slower.
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
+    return mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")

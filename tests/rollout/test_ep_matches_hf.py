@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import pytest
 from hf_reference import hf_greedy, hf_router_top_k
@@ -21,16 +22,10 @@ def moe_path(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def ep_group(moe_path):
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the engine processes: two engines on two cores
-    try:
+    # One intra-op thread per engine process (they inherit it): two engines on two cores.
+    with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):
         worker = RolloutWorker(model=moe_path, multiprocess=True, data_parallel_size=2, enable_expert_parallel=True,
                                device="cpu", dtype="float32", max_model_len=128, disable_log_stats=True)
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
     with worker:
         assert worker.engine.lockstep
         yield worker
