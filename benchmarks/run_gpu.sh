@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tier and the GPU benchmarks in one device call; logs and JSON go to $OUT (default benchmarks/out).
-# Usage: benchmarks/run_gpu.sh [tests] [a] [b] [c] [d] [w] [s]   (no argument: all but s)
+# Usage: benchmarks/run_gpu.sh [tests] [a] [b] [c] [d] [w] [s] [x2]   (no argument: all but s and x2)
+# x2 (two GPUs): the two-GPU tests, nccl/sharded_rdt/sparse weight sync GPU 0 -> GPU 1, TP=2 and DP=2 throughput.
 set -uo pipefail
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -12,7 +13,17 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | te
 for part in $parts; do
   case $part in
     tests) run gpu_tests $py -m pytest tests/gpu tests/weights/test_weight_updates_gpu.py tests/weights/test_nccl_backend.py \
-             -q -m gpu -p no:cacheprovider -rA ;;
+             tests/models tests/distributed -q -m gpu -p no:cacheprovider -rA ;;  # two-GPU tests skip on one GPU
+    x2) run two_gpu_tests $py -m pytest tests/gpu/test_two_gpus_dp.py tests/distributed/test_tp_nccl_gpu.py \
+          tests/distributed/test_ep_nccl_gpu.py tests/weights/test_nccl_backend.py -q -m gpu -p no:cacheprovider -rA
+        run multi_gpu_sync $py benchmarks/multi_gpu_sync.py --backends nccl nccl-unpacked sparse_nccl sharded_rdt \
+          --sparse-snapshot-device cuda --models qwen3-0.6b qwen2.5-1.5b qwen2.5-7b --json-out "$OUT/h200x2-multi-gpu-sync.json"
+        run offline_7b_tp2 $py benchmarks/offline_throughput.py --shape qwen2.5-7b --tensor-parallel-size 2 --num-requests 256 \
+          --input-len 100 1024 --output-len 100 1024 --max-num-seqs 256 --max-num-batched-tokens 8192 --temperature 0.6 \
+          --skip-hf --json-out "$OUT/h200x2-7b-offline-tp2.json"
+        run offline_0.6b_dp2 $py benchmarks/offline_throughput.py --shape qwen3-0.6b --data-parallel-size 2 --num-requests 512 \
+          --input-len 100 1024 --output-len 100 1024 --max-num-seqs 256 --max-num-batched-tokens 8192 --temperature 0.6 \
+          --skip-hf --json-out "$OUT/h200x2-0.6b-offline-dp2.json" ;;
     a) run offline_0.6b $py benchmarks/offline_throughput.py --shape qwen3-0.6b --num-requests 256 \
          --input-len 100 1024 --output-len 100 1024 --max-num-seqs 256 --max-num-batched-tokens 8192 \
          --temperature 0.6 --hf-num-requests 16 --hf-batch-size 16 --json-out "$OUT/h200-offline-throughput.json" ;;
