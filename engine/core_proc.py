@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import faulthandler
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
 import queue
 import signal
@@ -48,6 +46,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.exceptions import EngineDeadError
+from engine.parent_watch import watch_parent
 from engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from engine.wire import (
     EngineCoreOutput,
@@ -451,7 +450,8 @@ class EngineCoreProc:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         # `kill -USR1 <pid>` prints every thread's stack to stderr: where a stuck engine waits.
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-        _exit_with_parent()
+        # The parent's death (even by SIGKILL) becomes our SIGTERM, so no engine is orphaned.
+        watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM), "engine-parent-watch")
         proc = None
         exit_code = 0
         try:
@@ -473,16 +473,3 @@ class EngineCoreProc:
             if proc is not None:
                 proc.close()
         sys.exit(exit_code)
-
-
-def _exit_with_parent() -> None:
-    """Turns the parent's death (even by SIGKILL) into our SIGTERM, so no engine is orphaned."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="engine-parent-watch", daemon=True).start()

@@ -30,6 +30,7 @@ import msgspec
 import zmq
 
 from engine.dp_core_proc import DP_COORDINATOR_KEY, WaveMessage
+from engine.parent_watch import watch_parent
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ def _control(router: WaveRouter, request: dict) -> dict:
 def run_dp_coordinator(notify_address: str, waves_address: str, num_engines: int, control_address: str | None = None) -> None:
     """The coordinator process's entry point: route waves until SIGTERM or the parent's death."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle
-    _exit_with_parent()
+    watch_parent(lambda: os._exit(0), "dp-coordinator-parent-watch")
     router = WaveRouter(num_engines)
     ctx = zmq.Context()
     notify = ctx.socket(zmq.PULL)
@@ -160,24 +161,17 @@ def run_dp_coordinator(notify_address: str, waves_address: str, num_engines: int
         ctx.term()
 
 
-def _exit_with_parent() -> None:
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        os._exit(0)
-
-    threading.Thread(target=watch, name="dp-coordinator-parent-watch", daemon=True).start()
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def free_port_pair(host: str = "127.0.0.1") -> int:
     """A port p such that p and p + 1 are free now (the DP sync group's store and the workers' EP group)."""
     for _ in range(100):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
+        port = free_port(host)
         if port + 1 >= 65535:
             continue
         with socket.socket() as s:

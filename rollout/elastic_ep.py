@@ -36,7 +36,6 @@ step 4 (up) or 3 (down) leaves the engines in different groups: the group must b
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.async_llm import AsyncLLM
 from engine.engine_args import create_engine_config, num_routed_experts
+from rollout.dp_coordinator import free_port
 
 if TYPE_CHECKING:
     from rollout.group import RolloutGroup
@@ -166,7 +166,7 @@ class ElasticEP:
             await asyncio.to_thread(group.dp_coordinator.resize, old_size)
             await group.resume()
             raise
-        ep_port = _free_port(group.dp_coordinator.host)
+        ep_port = free_port(group.dp_coordinator.host)
         plans = [self._plan(old_size, new_size, r, r, ep_port) for r in range(old_size)]
         plans += [self._plan(old_size, new_size, None, r, ep_port) for r in range(old_size, new_size)]
         try:
@@ -183,23 +183,16 @@ class ElasticEP:
         coordinator = self.group.dp_coordinator
         devices = _devices(self.engine_args, new_size)
 
-        def start(rank: int) -> AsyncLLM:
-            args = {**self.engine_args, "device": devices[rank], "seed": self.base_seed + rank,
-                    "data_parallel_size": new_size, "data_parallel_rank": rank,
-                    "data_parallel_master_ip": coordinator.host, "data_parallel_master_port": coordinator.port,
-                    "data_parallel_join_later": True}
-            return AsyncLLM.from_engine_args(multiprocess=self.multiprocess, model_name=self.model_name, **args)
+        from rollout.group import start_engines
 
-        with concurrent.futures.ThreadPoolExecutor(len(ranks), thread_name_prefix="start-engine") as pool:
-            futures = [pool.submit(start, rank) for rank in ranks]
-            concurrent.futures.wait(futures)
-        failed = [f.exception() for f in futures if f.exception() is not None]
-        if failed:
-            for f in futures:
-                if f.exception() is None:
-                    f.result().shutdown()
-            raise failed[0]
-        return [f.result() for f in futures]
+        per_engine = [
+            {**self.engine_args, "device": devices[rank], "seed": self.base_seed + rank,
+             "data_parallel_size": new_size, "data_parallel_rank": rank,
+             "data_parallel_master_ip": coordinator.host, "data_parallel_master_port": coordinator.port,
+             "data_parallel_join_later": True}
+            for rank in ranks
+        ]
+        return start_engines(per_engine, multiprocess=self.multiprocess, model_name=self.model_name)
 
     async def _prepare_down(self, old_size: int, new_size: int, drain_timeout_s: float) -> ElasticChange:
         group = self.group
@@ -210,7 +203,7 @@ class ElasticEP:
         except BaseException:
             group.num_routable = old_size
             raise
-        ep_port = _free_port(group.dp_coordinator.host)
+        ep_port = free_port(group.dp_coordinator.host)
         plans = [self._plan(old_size, new_size, r, r if r < new_size else None, ep_port) for r in range(old_size)]
         await self._reconfigure(group.engines, plans)
         self.generation += 1
@@ -300,9 +293,3 @@ def _devices(engine_args: dict, num_engines: int) -> list[str]:
     return engine_devices(config.device.resolve(), num_engines, config.parallel.tensor_parallel_size)
 
 
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

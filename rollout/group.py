@@ -80,6 +80,34 @@ def engine_devices(device: str, data_parallel_size: int, tensor_parallel_size: i
     return [f"cuda:{base + i * tensor_parallel_size}" for i in range(data_parallel_size)]
 
 
+def start_engines(
+    per_engine: list[dict[str, Any]],
+    *,
+    multiprocess: bool,
+    model_name: str | None,
+    on_failure: Callable[[], None] | None = None,
+) -> list[AsyncLLM]:
+    """One AsyncLLM per dict of flat engine args, started in parallel. If any fails, on_failure runs at
+    once (e.g. to release peers waiting for it), the started ones are shut down, and the first error raised."""
+
+    def start(args: dict) -> AsyncLLM:
+        return AsyncLLM.from_engine_args(multiprocess=multiprocess, model_name=model_name, **args)
+
+    with concurrent.futures.ThreadPoolExecutor(len(per_engine), thread_name_prefix="start-engine") as pool:
+        futures = [pool.submit(start, args) for args in per_engine]
+        concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+        if on_failure is not None and any(f.done() and f.exception() is not None for f in futures):
+            on_failure()
+        concurrent.futures.wait(futures)
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for f in futures:
+            if f.exception() is None:
+                f.result().shutdown()
+        raise failed[0]
+    return [f.result() for f in futures]
+
+
 def _check_enough_gpus(devices: list[str], tensor_parallel_size: int) -> None:
     if not devices[0].startswith("cuda"):
         return
@@ -176,25 +204,10 @@ class RolloutGroup:
             for args in per_engine:
                 args["data_parallel_master_port"] = port
 
-        def start(args: dict) -> AsyncLLM:
-            return AsyncLLM.from_engine_args(multiprocess=multiprocess, model_name=model_name, **args)
-
-        with concurrent.futures.ThreadPoolExecutor(data_parallel_size, thread_name_prefix="start-engine") as pool:
-            futures = [pool.submit(start, args) for args in per_engine]
-            concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
-            if dp_coordinator is not None and any(f.done() and f.exception() is not None for f in futures):
-                # Lockstep peers wait for each other at start-up; without the store they fail at once.
-                dp_coordinator.shutdown()
-            concurrent.futures.wait(futures)
-        failed = [f.exception() for f in futures if f.exception() is not None]
-        if failed:
-            for f in futures:
-                if f.exception() is None:
-                    f.result().shutdown()
-            if dp_coordinator is not None:
-                dp_coordinator.shutdown()
-            raise failed[0]
-        group = cls([f.result() for f in futures], model_name=model_name, dp_coordinator=dp_coordinator)
+        # Lockstep peers wait for each other at start-up; without the store they fail at once.
+        on_failure = dp_coordinator.shutdown if dp_coordinator is not None else None
+        engines = start_engines(per_engine, multiprocess=multiprocess, model_name=model_name, on_failure=on_failure)
+        group = cls(engines, model_name=model_name, dp_coordinator=dp_coordinator)
         if dp_coordinator is not None:
             from rollout.elastic_ep import ElasticEP
 

@@ -25,7 +25,6 @@ import pickle
 import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 import weakref
@@ -33,6 +32,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.executor.base import Executor, WorkerDiedError, WorkerReply, call_worker, results_or_raise
+from engine.parent_watch import watch_parent
 
 _POLL_S = 1.0  # longest a wait for workers goes without checking that they are all alive
 # After one rank fails a call, how long the others get to answer: a rank still busy after that
@@ -176,7 +176,7 @@ def _allow_children() -> None:
 
     The engine process is daemonic (so that it ends with its frontend), and multiprocessing
     refuses children of daemons because terminating the daemon would orphan them. Our workers
-    exit when their parent does (_exit_with_parent), so nothing is orphaned and the flag may go.
+    exit when their parent does (watch_parent), so nothing is orphaned and the flag may go.
     """
     current = multiprocessing.current_process()
     if current.daemon:
@@ -195,7 +195,7 @@ def _worker_main(
     conn: multiprocessing.connection.Connection,
 ) -> None:
     """A worker process: builds the Worker, then runs calls from the pipe until it closes."""
-    _exit_with_parent()
+    watch_parent(lambda: os._exit(1), "worker-parent-watch")  # even mid-call or mid-collective
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle, not ours
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
     import torch  # after the signal set-up: importing torch takes a while
@@ -234,16 +234,3 @@ def _send(conn: multiprocessing.connection.Connection, reply: WorkerReply) -> No
     except Exception as e:  # e.g. a result pickle cannot handle
         payload = pickle.dumps(WorkerReply.failed(reply.rank, e, traceback.format_exc()))
     conn.send_bytes(payload)
-
-
-def _exit_with_parent() -> None:
-    """Ends this worker as soon as its parent (the engine) is gone, even mid-call or mid-collective."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, name="worker-parent-watch", daemon=True).start()

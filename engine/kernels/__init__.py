@@ -51,3 +51,8 @@ def override_kernels(enabled: bool) -> Iterator[None]:
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive ints (triton.cdiv, without needing Triton)."""
+    return -(-a // b)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import use_triton
+from engine.kernels import cdiv, use_triton
 from engine.kernels.activation import silu_and_mul
 
 try:
@@ -102,7 +102,7 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     kept = sorted_expert < num_experts
     safe_expert = sorted_expert.clamp(max=num_experts - 1)
     rows = padded_starts[safe_expert] + (position - starts[sorted_expert])  # padded row of each sorted pair
-    num_blocks = triton_cdiv(num_pairs, block_m) + num_experts
+    num_blocks = cdiv(num_pairs, block_m) + num_experts
     pair_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int64, device=device)
     pair_ids[rows[kept]] = order[kept]
     # Block b belongs to the expert whose padded run contains row b * block_m.
@@ -111,10 +111,6 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     block_expert = torch.searchsorted(ends, block_start, right=True)  # [num_blocks]
     block_expert = torch.where(block_expert < num_experts, block_expert, -1)
     return pair_ids, block_expert
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 if triton is not None:

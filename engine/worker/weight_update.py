@@ -343,21 +343,14 @@ class WeightUpdater:
                     self._plans[info.reuse_key] = plan
             elif len(received) != len(plan.names):
                 raise ValueError(f"the backend delivered {len(received)} tensors for a call of {len(plan.names)}")
-            if plan.checked:
-                # The max-abs norm is NaN or inf exactly when a tensor holds one: one kernel per group, one sync.
-                norms = torch._foreach_norm(plan.checked, float("inf"))
-                _raise_if_not_finite(plan.checked_names, torch.isfinite(torch.stack(norms)))
+            _check_finite(plan)
         except ValueError as e:  # nothing has landed yet
             raise ValueError(f"weight update rejected, no weight was changed: {e}") from None
         self._save_many([(t, d) for t, d in zip(plan.targets, plan.dsts) if t not in self._saved])
         self._save_many([(t, self.layout[t].tensor()) for t, _ in plan.rest if t not in self._saved])
-        with torch.no_grad():
-            if plan.dsts:
-                torch._foreach_copy_(plan.dsts, plan.srcs)
-            for target, t in plan.rest:
-                self._land(target, t)
-            if plan.srcs and plan.srcs[0].is_cuda:  # the backend's buffer is reused once this call returns
-                torch.cuda.current_stream(plan.srcs[0].device).synchronize()
+        self._land_plan(plan)
+        if plan.srcs and plan.srcs[0].is_cuda:  # the backend's buffer is reused once this call returns
+            torch.cuda.current_stream(plan.srcs[0].device).synchronize()
         return len(received)
 
     def _update_in_groups(self, engine: WeightTransferEngine, info) -> int:
@@ -383,9 +376,7 @@ class WeightUpdater:
                     group.append((name, item))
                 try:
                     plan = self._plan(group)
-                    if plan.checked:
-                        norms = torch._foreach_norm(plan.checked, float("inf"))
-                        _raise_if_not_finite(plan.checked_names, torch.isfinite(torch.stack(norms)))
+                    _check_finite(plan)
                 except ValueError as e:
                     self._restore(first_saved_here, resaved)
                     raise ValueError(f"weight update rejected, no weight was changed: {e}") from None
@@ -396,11 +387,7 @@ class WeightUpdater:
                 fresh = [t for t in touched if t not in self._saved]
                 self._save_many([(t, self.layout[t].tensor()) for t in fresh])
                 first_saved_here += fresh
-                with torch.no_grad():
-                    if plan.dsts:
-                        torch._foreach_copy_(plan.dsts, plan.srcs)
-                    for target, t in plan.rest:
-                        self._land(target, t)
+                self._land_plan(plan)
                 count += size
             next(stream, None)  # runs the backend's stream to its end (it marks the call complete)
         except ValueError:
@@ -410,6 +397,14 @@ class WeightUpdater:
         finally:
             stream.close()
         return count
+
+    def _land_plan(self, plan: "_LandingPlan") -> None:
+        """One multi-tensor copy for the plan's plain slices, the model's loaders for the rest."""
+        with torch.no_grad():
+            if plan.dsts:
+                torch._foreach_copy_(plan.dsts, plan.srcs)
+            for target, t in plan.rest:
+                self._land(target, t)
 
     def _transfer_failed(self, error: Exception, name: str | None) -> WeightTransferError:
         """After a failed transfer: restores everything since start_update, ends the update, and gives the error to raise."""
@@ -643,6 +638,15 @@ class WeightUpdater:
             aliases = [n for n, s in self.layout.items() if s.alias_of is not None]
             result.update(compare_checksums(checksums, baseline, optional=aliases, held_elsewhere=self.remote))
         return result
+
+
+def _check_finite(plan: _LandingPlan) -> None:
+    """ValueError naming the first of the plan's received tensors that holds a NaN or inf.
+
+    The max-abs norm is NaN or inf exactly when a tensor holds one: one kernel per group, one sync."""
+    if plan.checked:
+        norms = torch._foreach_norm(plan.checked, float("inf"))
+        _raise_if_not_finite(plan.checked_names, torch.isfinite(torch.stack(norms)))
 
 
 def _raise_if_not_finite(names: list[str], ok: torch.Tensor | list[tuple[str, torch.Tensor]]) -> None:

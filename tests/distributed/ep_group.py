@@ -6,26 +6,15 @@ import traceback
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
-from tp_group import CALL_TIMEOUT_S, TPGroup, engine_step, free_port, load_engine_model
+from tp_group import CALL_TIMEOUT_S, TPGroup, engine_step, load_engine_model, serve_calls
 
 
 class EPGroup(TPGroup):
     """`size` processes in one expert-parallel group (no tensor parallelism); run(fn, *args) calls
     fn(state, *args) of this module on every rank, run_each gives each rank its own args."""
 
-    def __init__(self, size: int = 2, device_type: str = "cpu") -> None:  # not super(): that starts a TP group
-        ctx = mp.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        self.size = size
-        self.conns, self.procs = [], []
-        for rank in range(size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, size, init_method, device_type, child), daemon=True)
-            proc.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(proc)
+    def __init__(self, size: int = 2, device_type: str = "cpu") -> None:
+        super().__init__(size, device_type, serve=_serve)  # ranks join an EP group, not a TP one
 
 
 def _serve(rank: int, size: int, init_method: str, device_type: str, conn) -> None:
@@ -35,17 +24,8 @@ def _serve(rank: int, size: int, init_method: str, device_type: str, conn) -> No
     if device_type == "cuda":  # one GPU per rank, NCCL between them
         torch.cuda.set_device(rank)
     init_expert_parallel(size, rank, init_method, "nccl" if device_type == "cuda" else "gloo", timeout_s=CALL_TIMEOUT_S)
-    state: dict = {"device": torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")}
     try:
-        while True:
-            message = conn.recv()
-            if message is None:
-                break
-            fn, args = message
-            try:
-                conn.send((True, globals()[fn](state, *args)))
-            except BaseException:  # noqa: BLE001 - any failure goes back to the test, with its traceback
-                conn.send((False, traceback.format_exc()))
+        serve_calls(conn, globals(), rank, device_type)
     finally:
         destroy_expert_parallel()
 

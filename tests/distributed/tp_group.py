@@ -27,14 +27,15 @@ class TPGroup:
     is a dict each rank keeps between calls (models, weight updaters).
     """
 
-    def __init__(self, size: int = 2, device_type: str = "cpu") -> None:
+    def __init__(self, size: int = 2, device_type: str = "cpu", serve=None) -> None:
+        """serve: the rank process's function (this module's _serve, which joins a tensor-parallel group)."""
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self.size = size
         self.conns, self.procs = [], []
         for rank in range(size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, size, init_method, device_type, child), daemon=True)
+            proc = ctx.Process(target=serve or _serve, args=(rank, size, init_method, device_type, child), daemon=True)
             proc.start()
             child.close()
             self.conns.append(parent)
@@ -86,19 +87,25 @@ def _serve(rank: int, size: int, init_method: str, device_type: str, conn) -> No
         init_tensor_parallel(size, rank, init_method, "nccl", timeout_s=CALL_TIMEOUT_S)
     else:
         init_tensor_parallel(size, rank, init_method, "gloo", timeout_s=CALL_TIMEOUT_S)
-    state: dict = {"device": torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")}
     try:
-        while True:
-            message = conn.recv()
-            if message is None:
-                break
-            fn, args = message
-            try:
-                conn.send((True, globals()[fn](state, *args)))
-            except BaseException:  # noqa: BLE001 - any failure goes back to the test, with its traceback
-                conn.send((False, traceback.format_exc()))
+        serve_calls(conn, globals(), rank, device_type)
     finally:
         destroy_tensor_parallel()
+
+
+def serve_calls(conn, functions: dict, rank: int, device_type: str) -> None:
+    """A rank's loop: runs functions[fn](state, *args) for each (fn, args) received, sends back (ok, result
+    or traceback); None ends it. `state` is the rank's own dict, starting with its device."""
+    state: dict = {"device": torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")}
+    while True:
+        message = conn.recv()
+        if message is None:
+            return
+        fn, args = message
+        try:
+            conn.send((True, functions[fn](state, *args)))
+        except BaseException:  # noqa: BLE001 - any failure goes back to the test, with its traceback
+            conn.send((False, traceback.format_exc()))
 
 
 # ---------------------------------------------------------------------------------------
