@@ -36,9 +36,27 @@ def tag_of(sync_id: int, group: int) -> int:
     return (sync_id << GROUP_BITS) | group
 
 
+def nixl_api():
+    """NIXL's Python API from the build for torch's CUDA major version (nixl_cu12 or nixl_cu13), else the other one.
+
+    The builds bundle UCX linked against one CUDA runtime: on a CUDA 13 machine the cu12 build
+    cannot load UCX's CUDA transports, and UCX then takes device memory for host memory.
+    """
+    import importlib
+
+    major = (torch.version.cuda or "12").split(".")[0]
+    for name in dict.fromkeys([f"nixl_cu{major}", "nixl_cu12", "nixl_cu13"]):
+        try:
+            return importlib.import_module(f"{name}._api")
+        except ImportError:
+            continue
+    raise ImportError("NIXL is not installed (pip install nixl: the nixl_cu12 or nixl_cu13 build)")
+
+
 def make_agent(name: str, backend: str):
     """A NIXL agent with one backend (e.g. UCX) and its progress thread; RuntimeError if the backend is missing."""
-    from nixl_cu12._api import nixl_agent, nixl_agent_config
+    api = nixl_api()
+    nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
 
     agent = nixl_agent(name, nixl_agent_config(backends=[backend]))
     if backend not in agent.backends:
