@@ -88,6 +88,8 @@ class SchedulerConfig:
     """`fcfs` (arrival order) or `priority` (lower value first, then arrival)."""
     enable_chunked_prefill: bool = True
     """Split long prompts over several steps; off means a prompt must fit one step's budget."""
+    async_scheduling: bool = True
+    """Schedule and prepare step N+1 while the device runs step N (one step in flight; the host waits once per step). Engines whose executor runs in this process only; tensor-parallel executors and lockstep (expert-parallel) engines step synchronously, as do steps while a request uses penalties or bad words."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import time
 
+from typing import Any
+
 from engine.config import EngineConfig
 from engine.control import (
     MEMORY_TAGS,
@@ -15,6 +17,7 @@ from engine.control import (
     tags_put_to_sleep,
 )
 from engine.core.request import Request, RequestStatus
+from engine.core.sched_output import SchedulerOutput
 from engine.core.scheduler import Scheduler
 from engine.core.stats import SchedulerStats
 from engine.exceptions import EngineNotReadyError, WeightTransferError
@@ -60,6 +63,15 @@ class EngineCore:
         # Whether the last step() ran a forward pass: a lockstep engine (engine/dp_core_proc.py)
         # runs a dummy batch instead when it did not, so every rank runs one forward per step.
         self.last_step_ran_model = False
+        # Async scheduling: the step launched last, whose outputs the next step() collects
+        # after launching its own (so the host schedules while the device computes).
+        lockstep = config.parallel.enable_expert_parallel and config.parallel.data_parallel_size > 1
+        self.async_scheduling = (config.scheduler.async_scheduling and self.executor.supports_async_steps
+                                 and not lockstep)
+        self._in_flight: tuple[SchedulerOutput, Any] | None = None
+        # Outputs of a step collected by drain(), stamped with the weights that computed them;
+        # the next step() returns them before anything else.
+        self._drained: EngineCoreOutputs | None = None
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Admits a request, or raises ValueError naming what is wrong and changes nothing.
@@ -79,28 +91,56 @@ class EngineCore:
         return [EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ABORT) for r in finished]
 
     def has_unfinished_requests(self) -> bool:
-        """True while step() has work: requests it may schedule, or outputs it has yet to emit.
+        """True while step() has work: requests it may schedule, a step in flight, or outputs it has yet to emit.
 
         Requests frozen by a keep-mode pause or by sleep do not count, so that the busy loop
         idles instead of spinning; scheduler.has_unfinished_requests() counts them.
         """
-        return bool(self._pending_outputs) or self._can_schedule()
+        return (bool(self._pending_outputs) or self._in_flight is not None or self._drained is not None
+                or self._can_schedule())
 
     def _can_schedule(self) -> bool:
         return self.scheduler.has_unfinished_requests() and self.scheduler.pause_state != PauseState.PAUSED_ALL
 
     def step(self) -> EngineCoreOutputs:
+        """Schedules and runs one step and returns the outputs of a finished one.
+
+        With async scheduling the step launched here is collected by the next call: each call
+        schedules and launches step N+1, then waits for step N and returns its outputs, so the
+        host's scheduling, input preparation and output handling overlap the device's work.
+        """
         self.executor.check_alive()  # first: a dead executor leaves the scheduler and pending outputs as they were
+        if self._in_flight is not None and self.scheduler.history_req_ids:
+            self.drain()  # sampling needs every output so far on the host: no step may be in flight
         pending, self._pending_outputs = self._pending_outputs, []
         self.last_step_ran_model = False
-        if self._can_schedule():
-            scheduler_output = self.scheduler.schedule()
-            self.last_step_ran_model = not scheduler_output.is_empty
-            if self._fault_pending:  # after schedule(): the state a real mid-step failure leaves behind
-                self._fault_pending = False
-                raise InjectedFault("injected fault (enable_fault_injection, tests only)")
-            runner_output = self.executor.execute_model(scheduler_output)
-            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self._drained is not None:  # a drained step's outputs go out on their own, with their weight version
+            outputs, self._drained = self._drained, None
+            outputs.outputs = pending + outputs.outputs
+            outputs.scheduler_stats = self.make_stats()
+            return outputs
+        scheduler_output = self.scheduler.schedule() if self._can_schedule() else None
+        if scheduler_output is not None and self._fault_pending:  # the state a real mid-step failure leaves behind
+            self._fault_pending = False
+            raise InjectedFault("injected fault (enable_fault_injection, tests only)")
+        if scheduler_output is not None and not scheduler_output.is_empty:
+            self.last_step_ran_model = True
+            if self.async_scheduling:
+                handle = self.executor.launch_model(scheduler_output)
+                previous, self._in_flight = self._in_flight, (scheduler_output, handle)
+                if previous is not None:
+                    outputs = self.scheduler.update_from_output(previous[0], self.executor.finish_model(previous[1]))
+                else:
+                    outputs = EngineCoreOutputs(timestamp=time.time())
+            else:
+                runner_output = self.executor.execute_model(scheduler_output)
+                outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        elif scheduler_output is not None or self._in_flight is not None:
+            outputs = self._finish_in_flight()
+            if outputs is None:
+                outputs = EngineCoreOutputs(timestamp=time.time())
+            if scheduler_output is not None:  # an empty step: the runner still forgets finished requests
+                self.executor.execute_model(scheduler_output)
         elif pending:
             outputs = EngineCoreOutputs(timestamp=time.time())
         else:
@@ -110,13 +150,38 @@ class EngineCore:
         outputs.weight_version = self.weight_version
         return outputs
 
+    def _finish_in_flight(self) -> EngineCoreOutputs | None:
+        """Collects the step in flight, if any: its outputs, or None when there is none."""
+        if self._in_flight is None:
+            return None
+        scheduler_output, handle = self._in_flight
+        self._in_flight = None
+        return self.scheduler.update_from_output(scheduler_output, self.executor.finish_model(handle))
+
+    def drain(self) -> None:
+        """Collects the step in flight; its outputs go out with the next step(), stamped with the
+        weight version that computed them.
+
+        Every control call (pause, sleep, weight updates...) starts with it, and frontends call
+        it before any utility call, so they see the engine with no step half done, as in
+        synchronous scheduling.
+        """
+        outputs = self._finish_in_flight()
+        if outputs is None:
+            return
+        outputs.weight_version = self.weight_version
+        if self._drained is not None:
+            outputs.outputs = self._drained.outputs + outputs.outputs
+        self._drained = outputs
+
     def execute_dummy_batch(self) -> None:
         """One forward pass of one dummy token on every worker, touching no request state: a lockstep
         engine with no work of its own runs it so that its data-parallel peers' collectives have a partner."""
         self.executor.execute_dummy_batch()
 
     def synchronize(self) -> None:
-        """Waits until the device has finished everything queued on it."""
+        """Waits until the device has finished everything queued on it (the step in flight collected)."""
+        self.drain()
         self.executor.synchronize()
 
     def make_stats(self) -> SchedulerStats:
@@ -141,6 +206,7 @@ class EngineCore:
             queue. resume() continues them exactly where they stopped.
         Pausing again switches the mode. Returns with the device synchronized.
         """
+        self.drain()
         mode = check_pause_mode(mode)
         aborted = self._abort_all() if mode == "abort" else []
         self._pause_mode = mode
@@ -164,6 +230,7 @@ class EngineCore:
         pause. While asleep, new requests get EngineNotReadyError(reason="sleeping"). Sleeping
         again at the same level is a no-op; at another level, wake up first.
         """
+        self.drain()
         level = check_sleep_level(level)
         if self._asleep:
             if level == self._sleep_level and self._asleep == tags_put_to_sleep(level):
@@ -195,6 +262,7 @@ class EngineCore:
         wake_up(["kv_cache"]) serves the update, and without the update the checkpoint.
         The KV cache comes back with the same number of blocks and an empty prefix cache.
         """
+        self.drain()
         wanted = check_wake_up_tags(tags)
         to_wake = wanted & self._asleep
         memory = to_wake & MEMORY_TAGS
@@ -241,6 +309,7 @@ class EngineCore:
         per-request state.
         """
         self._fault_pending = False
+        self._in_flight = self._drained = None  # their requests are failed with the rest
         self.executor.reset_requests()
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.max_model_len, self.num_blocks)
         self._pending_outputs = []  # their requests were failed with the rest
@@ -258,6 +327,7 @@ class EngineCore:
     # Utility calls run between steps, so no step ever sees a half-applied update_weights call.
 
     def update_weight_version(self, weight_version: str) -> None:
+        self.drain()  # tokens of the step in flight belong to the version they were computed with
         if not isinstance(weight_version, str) or not weight_version:
             raise ValueError(f"weight_version: expected a non-empty string, got {weight_version!r}")
         self.weight_version = weight_version
@@ -270,6 +340,7 @@ class EngineCore:
 
     def start_weight_update(self) -> None:
         """Begins an update; until it finishes or aborts nothing is scheduled (requests queue)."""
+        self.drain()
         self.executor.start_weight_update()
         self._set_weight_update_active(True)
         self._last_weight_call = time.monotonic()
@@ -281,6 +352,7 @@ class EngineCore:
         are back. The prefix cache is reset here too (not only at finish), so that even
         between the calls of one update no request hits a block computed with older weights.
         """
+        self.drain()
         try:
             num_loaded = self.executor.update_weights(update_info)
         except WeightTransferError:
@@ -307,6 +379,7 @@ class EngineCore:
 
     def abort_weight_update(self) -> bool:
         """Ends an update in progress and restores the weights it changed; False if none was in progress."""
+        self.drain()
         aborted = self.executor.abort_weight_update()
         self._weights_consistent = self.executor.weights_consistent()
         self._set_weight_update_active(False)
@@ -325,6 +398,7 @@ class EngineCore:
         """
         if weight_version is not None and (not isinstance(weight_version, str) or not weight_version):
             raise ValueError(f"weight_version: expected a non-empty string, got {weight_version!r}")
+        self.drain()
         self.executor.finish_weight_update()
         self._weights_consistent = True
         self._set_weight_update_active(False)
@@ -334,6 +408,7 @@ class EngineCore:
             self.weight_version = weight_version
 
     def shutdown_weight_transfer_engine(self) -> None:
+        self.drain()
         self.executor.shutdown_weight_transfer_engine()  # aborts an update in progress
         self._weights_consistent = self.executor.weights_consistent()
         self._set_weight_update_active(False)

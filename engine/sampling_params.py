@@ -119,6 +119,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         return self.temperature < _GREEDY_EPS
 
     @property
+    def needs_output_history(self) -> bool:
+        """Whether sampling reads the tokens generated so far (penalties, bad words), so a step
+        cannot be prepared before the previous step's token is known on the host."""
+        penalties = self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        return penalties or bool(self.bad_words_token_ids)
+
+    @property
     def all_stop_token_ids(self) -> set[int]:
         return set(self.stop_token_ids or ())
 

@@ -65,6 +65,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens being sampled by scheduled steps whose outputs have not come back (async
+        # scheduling keeps one step in flight): the next step already computes their positions.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 until then
         self.num_preemptions = 0
         # Hashes of this request's full blocks, extended by the KV cache manager.
@@ -93,6 +96,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_output_tokens(self) -> int:

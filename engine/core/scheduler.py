@@ -97,7 +97,12 @@ class Scheduler:
     (a prompt, the rest of a prompt, or one decode token); a step pays out of one budget
     of max_num_batched_tokens over at most max_num_seqs requests. num_computed_tokens
     advances when a step is scheduled, so schedule() may run again before that step's
-    outputs arrive (a request whose tokens are all computed simply waits for its sample).
+    outputs arrive. A scheduled row that reaches the request's last token samples one, which
+    counts as a placeholder token until its value comes back (update_from_output): the next
+    schedule() already gives it a row, at its position, and the model runner fills in its id
+    on the device (async scheduling, one step in flight). A request whose in-flight tokens
+    reach max_tokens or max_model_len is not scheduled again; one that stops on EOS or a stop
+    token while its next step is in flight has that step's token dropped.
 
     Default budget when max_num_batched_tokens is None: max(2048, max_num_seqs) with
     chunked prefill, and at least max_model_len without it (a whole prompt must fit).
@@ -142,6 +147,10 @@ class Scheduler:
         # Requests whose KV was dropped outside schedule() (recompute_running); the runner
         # must forget them on the next step, like preempted ones.
         self.requeued_req_ids: set[str] = set()
+        # Running requests whose sampling reads their output so far (penalties, bad words):
+        # while there are any, the engine core steps without a step in flight. (A waiting one
+        # has its whole output on the host when it is scheduled.)
+        self.history_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.num_preemptions_since_stats = 0
         self.step_work_since_stats = StepWork()
@@ -176,6 +185,7 @@ class Scheduler:
             request.status = status
             self.kv_cache_manager.free(request)
         self.finished_req_ids |= done_ids
+        self.history_req_ids -= done_ids
         return finished
 
     def has_unfinished_requests(self) -> bool:
@@ -208,11 +218,11 @@ class Scheduler:
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
             num_new = min(
-                request.num_tokens - request.num_computed_tokens,
+                request.num_tokens_with_placeholders - request.num_computed_tokens,
                 token_budget,
                 self.max_model_len - request.num_computed_tokens,
             )
-            if num_new <= 0:  # all computed; its sample has not come back yet
+            if num_new <= 0 or self._ends_in_flight(request):  # nothing to compute before its samples come back
                 req_index += 1
                 continue
             while (blocks := kv.allocate_slots(request, num_new)) is None:
@@ -246,6 +256,8 @@ class Scheduler:
                 break
             self.waiting.pop()
             self.running.append(request)
+            if request.sampling_params.needs_output_history:
+                self.history_req_ids.add(request.request_id)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
@@ -272,8 +284,18 @@ class Scheduler:
             cached_reqs_data.req_ids.append(req_id)
             cached_reqs_data.new_block_ids.append(block_ids)
             cached_reqs_data.num_computed_tokens.append(self.requests[req_id].num_computed_tokens)
+        work = self.step_work_since_stats
         for req_id, num_new in num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += num_new
+            request = self.requests[req_id]
+            start = request.num_computed_tokens
+            request.num_computed_tokens += num_new
+            # A row samples when it reaches the request's last token; a mid-prompt chunk does not.
+            samples = request.num_computed_tokens >= request.num_tokens_with_placeholders
+            if samples:
+                request.num_output_placeholders += 1
+            work.add_row(start, num_new, samples=samples)
+        if num_scheduled_tokens:
+            work.num_steps += 1
 
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,
@@ -285,8 +307,17 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         self.requeued_req_ids = set()
-        self._count_step_work(output)
         return output
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """Whether the tokens already being sampled for it reach max_tokens or max_model_len."""
+        if not request.num_output_placeholders:
+            return False
+        max_tokens = request.max_tokens
+        num_outputs = request.num_output_tokens + request.num_output_placeholders
+        return (max_tokens is not None and num_outputs >= max_tokens) or (
+            request.num_tokens_with_placeholders >= self.max_model_len
+        )
 
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop its KV; it resumes later as a new request."""
@@ -298,7 +329,9 @@ class Scheduler:
     def _requeue_for_recompute(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
+        self.history_req_ids.discard(request.request_id)
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # an in-flight sample of it is dropped; it samples again
         self.waiting.add_preempted(request)
 
     def recompute_running(self) -> list[str]:
@@ -328,6 +361,8 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             new_token_ids = model_runner_output.sampled_token_ids[row]
+            if new_token_ids:
+                request.num_output_placeholders -= 1
             prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
             routed = model_runner_output.routed_experts.get(req_id)
             if routed is not None:
@@ -358,6 +393,7 @@ class Scheduler:
         if finished_ids:
             self.running = [r for r in self.running if r.request_id not in finished_ids]
             self.finished_req_ids |= finished_ids
+            self.history_req_ids -= finished_ids
         return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
 
     def _check_stop(self, request: Request) -> bool:
@@ -403,21 +439,6 @@ class Scheduler:
         self.num_preemptions_since_stats = 0
         self.step_work_since_stats = StepWork()
         return stats
-
-    def _count_step_work(self, output: SchedulerOutput) -> None:
-        """Adds a scheduled step's rows to the StepWork that make_stats() reports next."""
-        if output.is_empty:
-            return
-        cached = output.scheduled_cached_reqs
-        # Where each row's tokens start (num_computed_tokens before this step advanced it).
-        starts = dict(zip(cached.req_ids, cached.num_computed_tokens))
-        starts.update((r.req_id, r.num_computed_tokens) for r in output.scheduled_new_reqs)
-        work = self.step_work_since_stats
-        work.num_steps += 1
-        for req_id, num_new in output.num_scheduled_tokens.items():
-            start = starts[req_id]
-            # A row samples when its step reaches the request's last token; a mid-prompt chunk does not.
-            work.add_row(start, num_new, samples=start + num_new >= self.requests[req_id].num_tokens)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

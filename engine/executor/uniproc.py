@@ -23,6 +23,14 @@ class UniProcExecutor(Executor):
         self.worker = Worker(config, max_model_len)
         self.worker_pids = [os.getpid()]
 
+    supports_async_steps = True
+
+    def launch_model(self, scheduler_output):
+        return self.worker.model_runner.launch_step(scheduler_output)
+
+    def finish_model(self, handle):
+        return self.worker.model_runner.finish_step(handle)
+
     def collective_rpc(
         self, method: str, args: tuple = (), kwargs: dict | None = None, unique_reply_rank: int | None = None
     ) -> list[Any]:

@@ -45,14 +45,21 @@ class CudaGraphRunner:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)  # [n]
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # [n + 1], one token per row
         self.block_table = torch.zeros(n, max_num_blocks_per_req, dtype=torch.int32, device=device)
-        # Pinned host mirrors: one async copy each per step.
-        self._host = {
-            name: torch.zeros_like(t, device="cpu").pin_memory()
-            for name, t in (("input_ids", self.input_ids), ("positions", self.positions),
-                            ("slot_mapping", self.slot_mapping), ("seq_lens", self.seq_lens),
-                            ("block_table", self.block_table))
-        }
-        self._host_np = {name: t.numpy() for name, t in self._host.items()}
+        # Pinned host mirrors, one async copy each per step. Two sets, used in turn: with a step
+        # in flight (async scheduling) the previous replay's copies may not have run yet when the
+        # next step's inputs are written; the step before that has finished (the engine collects
+        # it before launching the next).
+        self._host = [
+            {
+                name: torch.zeros_like(t, device="cpu").pin_memory()
+                for name, t in (("input_ids", self.input_ids), ("positions", self.positions),
+                                ("slot_mapping", self.slot_mapping), ("seq_lens", self.seq_lens),
+                                ("block_table", self.block_table))
+            }
+            for _ in range(2)
+        ]
+        self._host_np = [{name: t.numpy() for name, t in host.items()} for host in self._host]
+        self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # [bucket, hidden], written by each replay
         self.pool = None
@@ -103,9 +110,13 @@ class CudaGraphRunner:
             return None
         return self.buckets[int(np.searchsorted(self.buckets, num_reqs))]
 
-    def replay(self, size: int, batch: InputBatch) -> torch.Tensor:  # [num_reqs, hidden]
+    def replay(self, size: int, batch: InputBatch,
+               fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # [num_reqs, hidden]
+        """fill: (token indices, ids) written into the input ids on the device before the replay."""
         n = batch.num_reqs
-        h = self._host_np
+        self._turn ^= 1
+        host = self._host[self._turn]
+        h = self._host_np[self._turn]
         h["input_ids"][:n] = batch.input_ids
         h["positions"][:n] = batch.positions
         h["slot_mapping"][:n] = batch.slot_mapping
@@ -117,7 +128,9 @@ class CudaGraphRunner:
         h["slot_mapping"][n:size] = -1
         h["seq_lens"][n:size] = 0
         for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_table"):
-            getattr(self, name)[:size].copy_(self._host[name][:size], non_blocking=True)
+            getattr(self, name)[:size].copy_(host[name][:size], non_blocking=True)
+        if fill is not None:
+            self.input_ids[fill[0]] = fill[1]
         self.graphs[size].replay()
         self.num_replays += 1
         return self.outputs[size][:n]

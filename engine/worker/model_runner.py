@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
@@ -16,6 +18,27 @@ from engine.worker.input_batch import InputBatch, make_input_batch
 from engine.worker.model_state import model_state_for
 from engine.worker.request_state import RequestState
 from engine.worker.runner_output import ModelRunnerOutput
+
+# A token id the host does not know yet: sampled by the step in flight. The next step's input
+# at its position is filled in on the device from that step's sampled ids (launch_step).
+PLACEHOLDER = -1
+
+
+@dataclass
+class StepInFlight:
+    """A launched step: its sampled ids on the device, their copies on their way to the host,
+    and where each sampled token goes in RequestState when finish_step() collects it."""
+
+    batch: InputBatch | None = None
+    sampled: torch.Tensor | None = None  # [S] int64, device: the next step's placeholders read it
+    host_sampled: torch.Tensor | None = None  # [S] int64 host copy (pinned on CUDA), filled asynchronously
+    host_logprobs: LogprobsTensors | None = None
+    logprob_counts: list[int | None] = field(default_factory=list)  # [S] logprobs each sampled row asked for
+    done: torch.cuda.Event | None = None  # recorded after the copies; None on CPU
+    sample_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [S]
+    sample_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [S]
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    routed_experts: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)
 
 
 def dummy_forward(model: torch.nn.Module, device: torch.device) -> None:
@@ -66,6 +89,9 @@ class ModelRunner:
         # for it: the capture copies [T, layers, k] ids to the host, which other steps need not pay.
         self.supports_routed_experts = hasattr(model, "set_routing_capture")
         self._capturing_routing = False
+        # The last launched step until finish_step() collects it (async scheduling: the next
+        # step may launch first, reading its sampled ids on the device).
+        self._in_flight: StepInFlight | None = None
 
     def capture_cuda_graphs(self) -> None:
         """Captures the decode graphs, unless on CPU, enforce_eager, or the attention backend or the model can't replay."""
@@ -82,16 +108,54 @@ class ModelRunner:
         graphs.capture()
         self.cuda_graphs = graphs
 
-    def _forward(self, batch: InputBatch) -> torch.Tensor:  # [T, hidden]
-        """One forward pass: a graph replay for decode steps that fit a bucket, else eager."""
+    def _forward(self, batch: InputBatch, fill: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:  # [T, hidden]
+        """One forward pass: a graph replay for decode steps that fit a bucket, else eager.
+
+        fill: (token indices, ids) written into the input ids on the device (placeholders).
+        """
         graphs = self.cuda_graphs
         if graphs is not None and not self._capturing_routing:  # a graph replay captures nothing
             size = graphs.bucket_for(batch)
             if size is not None:
-                return graphs.replay(size, batch)
+                return graphs.replay(size, batch, fill)
         attn_metadata = self.model_state.attn_metadata(batch)
+        inputs = self.model_state.model_inputs(batch)
+        if fill is not None:
+            inputs["input_ids"][fill[0]] = fill[1]
         with set_forward_context(attn_metadata):
-            return self.model(**self.model_state.model_inputs(batch))
+            return self.model(**inputs)
+
+    def _placeholder_fill(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For input tokens still PLACEHOLDER: their indices and, gathered on the device, the ids
+        the step in flight sampled for them (a decode row's token is the previous step's sample)."""
+        tokens = np.nonzero(batch.input_ids == PLACEHOLDER)[0]
+        if not len(tokens):
+            return None
+        prev = self._in_flight
+        assert prev is not None and prev.sampled is not None, "placeholder input tokens without a step in flight"
+        rows = np.searchsorted(batch.query_start_loc, tokens, side="right") - 1
+        index_of_slot = np.full(self.state.max_num_reqs, -1, dtype=np.int64)
+        index_of_slot[prev.sample_slots] = np.arange(len(prev.sample_slots))
+        src = index_of_slot[batch.slots[rows]]
+        assert (src >= 0).all() and (prev.sample_positions[src] == batch.positions[tokens]).all(), (
+            "a placeholder input token that the step in flight does not sample"
+        )
+        return self._h2d(torch.from_numpy(tokens)), prev.sampled[self._h2d(torch.from_numpy(src))]
+
+    def _h2d(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device without blocking the host (pinned staging on CUDA): a
+        pageable copy would wait for the step in flight to finish."""
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _d2h(self, t: torch.Tensor) -> torch.Tensor:
+        """Starts copying a device tensor to (pinned) host memory; valid once the step's `done` event has passed."""
+        if self.device.type == "cpu":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
 
     # ---- state updates -------------------------------------------------------------------
 
@@ -116,39 +180,82 @@ class ModelRunner:
         for req_id in list(self.state.req_id_to_slot):
             self.state.remove_request(req_id)
         self.eos_token_ids.clear()
+        self._in_flight = None
 
     # ---- the step --------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """One step, start to end (synchronous scheduling)."""
+        return self.finish_step(self.launch_step(sched))
+
+    @torch.inference_mode()
+    def launch_step(self, sched: SchedulerOutput) -> StepInFlight:
+        """Applies the diff, runs the forward pass and sampling, and starts copying the samples to
+        the host, without waiting for the device.
+
+        The step may launch before the previous one is finished: tokens that step samples are
+        PLACEHOLDER in RequestState until finish_step(), and where this step reads them as input
+        they are taken from its device tensor. Prompt logprobs and routed experts are copied
+        here, synchronously (rare; they read this step's own buffers).
+        """
         self._update_states(sched)
         if sched.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput.empty()
+            return StepInFlight()
         batch = make_input_batch(self.state, sched, self.block_size)
+        fill = self._placeholder_fill(batch)
         routing_rows = self._set_routing_capture(batch)
-        hidden = self._forward(batch)  # [T, hidden]
-        routed_experts = self._routed_experts(batch, routing_rows)
+        hidden = self._forward(batch, fill)  # [T, hidden]
+        step = StepInFlight(batch=batch, routed_experts=self._routed_experts(batch, routing_rows),
+                            prompt_logprobs=self._prompt_logprobs(batch, hidden))
+        if len(batch.sample_rows):
+            logits_indices = self._h2d(torch.from_numpy(batch.logits_indices))
+            logits = self.model.compute_logits(hidden[logits_indices])  # [S, V] float32
+            out = self.sampler(logits, self._sampling_metadata(batch))
+            slots = batch.slots[batch.sample_rows]
+            positions = self.state.num_tokens[slots].copy()
+            room = positions < self.state.max_model_len  # a token past max_model_len is never an input
+            self.state.token_ids[slots[room], positions[room]] = PLACEHOLDER
+            self.state.num_tokens[slots[room]] += 1
+            step.sampled, step.sample_slots, step.sample_positions = out.sampled_token_ids, slots, positions
+            step.host_sampled = self._d2h(out.sampled_token_ids)
+            if out.logprobs is not None:
+                lp = out.logprobs
+                step.host_logprobs = LogprobsTensors(self._d2h(lp.token_ids), self._d2h(lp.logprobs), self._d2h(lp.ranks))
+                step.logprob_counts = [self.state.sampling_params[s].logprobs for s in slots.tolist()]
+            if self.device.type == "cuda":
+                step.done = torch.cuda.Event()
+                step.done.record()
+        self._in_flight = step
+        return step
 
-        prompt_logprobs = self._prompt_logprobs(batch, hidden)
+    def finish_step(self, step: StepInFlight) -> ModelRunnerOutput:
+        """Waits for a launched step's samples, writes them over their placeholders and reports them."""
+        if self._in_flight is step:
+            self._in_flight = None
+        batch = step.batch
+        if batch is None:
+            return ModelRunnerOutput.empty()
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
         row_logprobs: list[LogprobsLists | None] | None = None
-        if len(batch.sample_rows):
-            logits_indices = torch.from_numpy(batch.logits_indices).to(self.device)
-            logits = self.model.compute_logits(hidden[logits_indices])  # [S, V] float32
-            metadata = self._sampling_metadata(batch)
-            out = self.sampler(logits, metadata)
-            token_ids = out.sampled_token_ids.tolist()  # the step's one host sync
+        if step.host_sampled is not None:
+            if step.done is not None:
+                step.done.synchronize()  # the step's one wait for the device
+            token_ids = step.host_sampled.tolist()
+            st = self.state
             for i, row in enumerate(batch.sample_rows.tolist()):
                 sampled[row] = [token_ids[i]]
-                self.state.append_token(int(batch.slots[row]), token_ids[i])
-            if out.logprobs is not None:
-                row_logprobs = self._split_logprobs(batch, out.logprobs)
+                slot, pos = int(step.sample_slots[i]), int(step.sample_positions[i])
+                # Skip rows whose request left the runner since (finished, aborted or preempted).
+                if st.slot_to_req_id[slot] == batch.req_ids[row] and pos < st.max_model_len:
+                    st.token_ids[slot, pos] = token_ids[i]
+            if step.host_logprobs is not None:
+                row_logprobs = self._split_logprobs(batch, step.logprob_counts, step.host_logprobs)
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
             sampled_token_ids=sampled,
             logprobs=row_logprobs,
-            prompt_logprobs=prompt_logprobs,
-            routed_experts=routed_experts,
+            prompt_logprobs=step.prompt_logprobs,
+            routed_experts=step.routed_experts,
         )
 
     @torch.inference_mode()
@@ -205,7 +312,7 @@ class ModelRunner:
 
         def column(values: torch.Tensor, off_value: float) -> torch.Tensor | None:
             col = values[slots_t]
-            return col.to(self.device) if bool((col != off_value).any()) else None
+            return self._h2d(col) if bool((col != off_value).any()) else None
 
         generators = {
             i: make_generator(sp.seed, num_outputs[i], self.device)
@@ -225,7 +332,7 @@ class ModelRunner:
             for i, s in enumerate(slots.tolist()):
                 prompt = st.prompt_ids(s)
                 padded[i, : len(prompt)] = prompt
-            prompt_token_ids = torch.from_numpy(padded).to(self.device)
+            prompt_token_ids = self._h2d(torch.from_numpy(padded))
 
         min_tokens = {}
         for i, sp in enumerate(params):
@@ -243,20 +350,20 @@ class ModelRunner:
                 if sp.allowed_token_ids:
                     allowed_mask[i] = True
                     allowed_mask[i, sp.allowed_token_ids] = False
-            allowed_mask = allowed_mask.to(self.device)
+            allowed_mask = self._h2d(allowed_mask)
 
         wanted = [sp.logprobs for sp in params if sp.logprobs is not None]
         return SamplingMetadata(
-            temperature=temperature.to(self.device),
+            temperature=self._h2d(temperature),
             all_greedy=bool(greedy.all()),
             all_random=not bool(greedy.any()),
             top_k=column(st.top_k, 0),
             top_p=column(st.top_p, 1.0),
             min_p=column(st.min_p, 0.0),
             generators=generators,
-            presence_penalties=presence.to(self.device) if use_penalties else None,
-            frequency_penalties=frequency.to(self.device) if use_penalties else None,
-            repetition_penalties=repetition.to(self.device) if use_penalties else None,
+            presence_penalties=self._h2d(presence) if use_penalties else None,
+            frequency_penalties=self._h2d(frequency) if use_penalties else None,
+            repetition_penalties=self._h2d(repetition) if use_penalties else None,
             prompt_token_ids=prompt_token_ids,
             output_token_ids=output_token_ids,
             min_tokens=min_tokens,
@@ -269,15 +376,16 @@ class ModelRunner:
             logprobs_mode=self.logprobs_mode,
         )
 
-    def _split_logprobs(self, batch: InputBatch, lp: LogprobsTensors) -> list[LogprobsLists | None]:
+    @staticmethod
+    def _split_logprobs(batch: InputBatch, counts: list[int | None], lp: LogprobsTensors) -> list[LogprobsLists | None]:
+        """Each sampled row's logprobs (counts[i]: how many that row asked for, None for none)."""
         rows: list[LogprobsLists | None] = [None] * batch.num_reqs
         # Per-row views of the step's host arrays: the sampler builds fresh tensors every step,
         # so no later step writes into memory these views share.
         token_ids, logprobs, ranks = lp.token_ids.cpu().numpy(), lp.logprobs.cpu().numpy(), lp.ranks.cpu().numpy()
         for i, row in enumerate(batch.sample_rows.tolist()):
-            sp = self.state.sampling_params[int(batch.slots[row])]
-            if sp.logprobs is not None:
-                k = sp.logprobs + 1
+            if counts[i] is not None:
+                k = counts[i] + 1
                 rows[row] = LogprobsLists(token_ids[i : i + 1, :k], logprobs[i : i + 1, :k], ranks[i : i + 1])
         return rows
 

@@ -30,8 +30,11 @@ PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 120, 64, 1, 2, 33, 90, 11], [150, 2, 9]
 
 @pytest.fixture(scope="module")
 def config(tiny_checkpoint):
+    # These tests count the steps exactly as synchronous scheduling emits tokens; how control
+    # calls meet a step in flight is tested in tests/engine/test_async_scheduling.py.
     return create_engine_config(
-        model=tiny_checkpoint("llama"), max_model_len=MAX_MODEL_LEN, device="cpu", dtype="float32", max_num_seqs=8
+        model=tiny_checkpoint("llama"), max_model_len=MAX_MODEL_LEN, device="cpu", dtype="float32", max_num_seqs=8,
+        async_scheduling=False,
     )
 
 

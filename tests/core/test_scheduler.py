@@ -138,15 +138,18 @@ def test_decodes_and_prefill_chunks_share_a_step():
     assert tokens["b"] == reference_tokens(range(50, 90), 2)
 
 
-def test_schedule_before_outputs_arrive_does_not_reschedule():
+def test_schedule_before_outputs_arrive_gives_the_coming_sample_a_row():
     sched = make_scheduler(max_num_batched_tokens=8)
     sched.add_request(make_request("a", list(range(4))))
     sched.add_request(make_request("b", list(range(10, 20))))
     first = sched.schedule()
     assert first.num_scheduled_tokens == {"a": 4, "b": 4}
-    second = sched.schedule()  # "a" waits for its sample; "b" continues its prompt
-    assert second.num_scheduled_tokens == {"b": 6}
-    assert second.scheduled_cached_reqs.num_computed_tokens == [4]
+    # "a"'s sample is in flight: the next step computes it at position 4 (async scheduling);
+    # "b" is mid-prompt and samples nothing, so it just continues its prompt.
+    second = sched.schedule()
+    assert second.num_scheduled_tokens == {"a": 1, "b": 6}
+    assert second.scheduled_cached_reqs.num_computed_tokens == [4, 4]
+    assert sched.requests["a"].num_output_placeholders == 2 and sched.requests["b"].num_output_placeholders == 1
 
 
 def test_max_num_seqs_respected():

@@ -189,10 +189,15 @@ def _drive(core, processor, steps: int, version_log: list):
         yield from processor.process_outputs(out.outputs, out.weight_version).request_outputs
 
 
-def test_weight_version_spans_switch_at_the_update(checkpoints):
-    """Keep mode: requests keep running across an update; spans say which weights made which token."""
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_weight_version_spans_switch_at_the_update(checkpoints, async_scheduling):
+    """Keep mode: requests keep running across an update; spans say which weights made which token.
+
+    With async scheduling the 4th step is still in flight at the update: the update collects it
+    first, and its tokens go out (in the next step) stamped with the old version.
+    """
     old, new = checkpoints("llama")
-    llm = _llm(old)
+    llm = _llm(old, async_scheduling=async_scheduling)
     core = llm.engine_core
     processor = OutputProcessor(None)
     num_tokens = 12
@@ -210,7 +215,8 @@ def test_weight_version_spans_switch_at_the_update(checkpoints):
     core.finish_weight_update(weight_version="v1")
     rest = list(_drive(core, processor, num_tokens, versions))
     assert not core.has_unfinished_requests()
-    assert versions[:4] == ["default"] * 4 and set(versions[4:]) == {"v1"}
+    num_old = 4 + async_scheduling  # steps stamped "default" (the drained step's outputs, async)
+    assert versions[:num_old] == ["default"] * num_old and set(versions[num_old:]) == {"v1"}
 
     final = [o for o in rest if o.request_id == "cum" and o.finished][0].outputs[0]
     assert len(final.token_ids) == num_tokens
