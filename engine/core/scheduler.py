@@ -26,6 +26,15 @@ logger = logging.getLogger(__name__)
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
+def token_budget(config: SchedulerConfig, max_model_len: int) -> int:
+    """One step's token budget: max_num_batched_tokens, or by default max(2048, max_num_seqs),
+    and at least max_model_len without chunked prefill (a whole prompt must fit)."""
+    if config.max_num_batched_tokens is not None:
+        return config.max_num_batched_tokens
+    budget = max(_DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
+    return budget if config.enable_chunked_prefill else max(budget, max_model_len)
+
+
 class FCFSWaitingQueue:
     """Arrival order; a preempted request goes back to the front. Victim: the newest running."""
 
@@ -119,12 +128,8 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
-        budget = scheduler_config.max_num_batched_tokens
-        if budget is None:
-            budget = max(_DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
-            if not self.enable_chunked_prefill:
-                budget = max(budget, max_model_len)
-        elif not self.enable_chunked_prefill and budget < max_model_len:
+        budget = token_budget(scheduler_config, max_model_len)
+        if not self.enable_chunked_prefill and budget < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({budget}) must be >= max_model_len ({max_model_len}) "
                 "when enable_chunked_prefill is off"

@@ -58,7 +58,10 @@ if triton is not None:
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    # Per-step ints are not specialized (Triton would otherwise compile a variant per value == 1 or
+    # divisibility by 16 class while serving): num_reqs, and stride_bt, the block table's width,
+    # which follows the step's longest request.
+    @triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
     def _paged_attention_kernel(
         out_ptr, part_acc_ptr, part_ml_ptr,
         q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,

@@ -115,7 +115,8 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
 
 if triton is not None:
 
-    @triton.jit
+    # num_pairs (T * K) changes every step: not specialized, so serving compiles no new variants.
+    @triton.jit(do_not_specialize=["num_pairs"])
     def _grouped_gemm_kernel(
         c_ptr, a_ptr, b_ptr, pair_ids_ptr, block_expert_ptr, weights_ptr,
         num_pairs, N, K, a_row_div,

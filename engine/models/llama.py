@@ -47,14 +47,19 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = get_rope(self.head_dim, config)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
-    def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return q, k  # Qwen3 normalises each head here
+    def _qk_rope(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k as attention reads them: rotated (Qwen3 normalises each head first, in one kernel).
+
+        q, k are views into the qkv output; an override may overwrite them in place.
+        """
+        return self.rotary_emb(positions, q, k)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) * D], this rank's heads
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self._qk_norm(q, k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self._qk_rope(positions, q, k)
         return self.o_proj(self.attn(q, k, v))  # [T, hidden]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels.qk_norm_rope import qk_norm_rope
 from engine.models.layers import RMSNorm
 from engine.models.llama import LlamaAttention, LlamaForCausalLM
 
@@ -14,11 +15,16 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        num_tokens = q.shape[0]
-        q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))  # [T, Hq, D]
-        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
-        return q.view(num_tokens, self.q_size), k.view(num_tokens, self.kv_size)
+    def _qk_rope(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # One launch for both norms and rope on GPU (in place on the qkv output); on CPU exactly
+        # q_norm, k_norm, then rotary_emb.
+        rope = self.rotary_emb
+        return qk_norm_rope(
+            positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+            rope.cos_cache, rope.sin_cache, self.head_dim,
+        )
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from engine.attention.layer import Attention
+from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
 from engine.core.sched_output import SchedulerOutput
+from engine.core.scheduler import token_budget
 from engine.distributed.parallel_state import (
     destroy_expert_parallel,
     destroy_tensor_parallel,
+    get_ep,
     init_expert_parallel,
     init_tensor_parallel,
 )
 from engine.executor.base import baseline_for_rank
+from engine.forward_context import set_forward_context
 from engine.models.loader import load_hf_config, load_model
+from engine.sample import Sampler, SamplingMetadata, make_generator
 from engine.worker.model_runner import ModelRunner
 from engine.worker.runner_output import ModelRunnerOutput
 from engine.worker.weight_update import WeightUpdater
@@ -156,6 +162,125 @@ class Worker:
         )
         # Graphs record the KV tensors' addresses, so they are captured after allocation.
         self.model_runner.capture_cuda_graphs()
+        self._warm_up_kernels()
+
+    # ---- kernel warm-up: every Triton variant compiles before serving, not during a timed step ----
+
+    def _warm_up_kernels(self) -> None:
+        """Compiles every Triton kernel variant before serving (GPU only) and logs how long it took.
+
+        Triton compiles a kernel on its first call with each constexpr config (prefill or decode
+        tiles, split-KV counts, MoE block sizes); the per-step ints are not specialized
+        (do_not_specialize), so one pass per batch class compiles everything a real run uses.
+        """
+        if self.device.type != "cuda" or not self.attn_layers:
+            return
+        if get_ep().size > 1:
+            # Each pass would run the MoE collectives of the expert-parallel group, and the other
+            # engines need not be warming up at the same moment.
+            logger.info("kernel warm-up skipped: expert parallelism")
+            return
+        start = time.perf_counter()
+        num_passes = self.run_warm_up_passes()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # the passes' activations go back; real steps allocate their own
+        logger.info("kernel warm-up: %d forward passes in %.1f s", num_passes, time.perf_counter() - start)
+
+    def run_warm_up_passes(self) -> int:
+        """Eager forward passes of each batch class a real run can make, plus the sampler; returns the pass count.
+
+        The passes read the KV cache but never write it (slot -1), and touch no request state
+        and no engine generator. Runs on any device (the CPU tests call it directly).
+        """
+        sched = self.config.scheduler
+        block_size = self.config.cache.block_size
+        max_len = self.max_model_len
+        budget = token_budget(sched, max_len)
+        max_num_seqs = sched.max_num_seqs
+        decode_ctx = min(max_len, 2 * block_size + 1)  # a few blocks of context for decode rows
+        # (query_lens, seq_lens) per batch; seq_len - query_len tokens of (zero or stale) context.
+        batches: list[tuple[list[int], list[int]]] = []
+        prompt = min(budget, max_len)
+        batches.append(([prompt], [prompt]))  # prefill only: one whole prompt
+        if max_num_seqs >= 3 and budget >= 4 and max_len >= 2:
+            # Mixed, near the budget: a whole prompt, a chunk over a cached prefix, decode rows.
+            num_decode = min(max_num_seqs - 2, budget // 4)
+            chunk = (budget - num_decode) // 2
+            first = min(budget - num_decode - chunk, max_len)
+            chunk = min(chunk, max_len - 1)
+            context = min(max_len - chunk, 2 * block_size + 3)
+            batches.append(([first, chunk] + [1] * num_decode, [first, context + chunk] + [decode_ctx] * num_decode))
+        runner = self.model_runner
+        if runner.cuda_graphs is None or runner.supports_routed_experts:
+            # Decode steps run eagerly too (no graphs; or MoE routing capture): their split-KV
+            # count depends on the batch size, so sizes grow by about 1.5x, ending at max_num_seqs.
+            size = 1
+            while size < max_num_seqs:
+                batches.append(([1] * size, [decode_ctx] * size))
+                size = max(size + 1, size * 3 // 2)
+            batches.append(([1] * max_num_seqs, [decode_ctx] * max_num_seqs))
+        num_blocks = self.attn_layers[0].kv_cache.shape[1]
+        logits = None
+        with torch.inference_mode():
+            for query_lens, seq_lens in batches:
+                hidden = self._warm_up_forward(query_lens, seq_lens, num_blocks)
+                last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1  # each row's last token
+                logits = self.model.compute_logits(hidden[last])  # [rows, V]
+            self.model.compute_logits(hidden[-1:])  # one row (a single finishing prefill)
+            self._warm_up_sampler(logits)
+            self._warm_up_sampler(logits[:1])
+        return len(batches)
+
+    def _warm_up_forward(self, query_lens: list[int], seq_lens: list[int], num_blocks: int) -> torch.Tensor:
+        """One eager forward pass of token 0 at the rows' positions, reading any blocks, writing none."""
+        block_size = self.config.cache.block_size
+        dev = self.device
+        num_reqs = len(query_lens)
+        width = max(-(-s // block_size) for s in seq_lens)
+        # Any valid block ids: the cache holds finite values, and the outputs are dropped.
+        block_table = (torch.arange(num_reqs * width, device=dev) % num_blocks).view(num_reqs, width)
+        positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]).to(dev)  # [T]
+        num_tokens = positions.shape[0]
+        query_start_loc = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        metadata = AttentionMetadata(
+            num_actual_tokens=num_tokens,
+            query_start_loc=query_start_loc.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_table=block_table.to(torch.int32),
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),  # no KV write
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        with set_forward_context(metadata):
+            return self.model(input_ids=input_ids, positions=positions)
+
+    def _warm_up_sampler(self, logits: torch.Tensor) -> None:
+        """The sampler's paths once: greedy and random rows, top-k/top-p, a seeded row, logprobs.
+
+        Its own Sampler and generator, so the engine's seeded stream is not advanced.
+        """
+        num_rows = logits.shape[0]
+        dev = self.device
+        temperature = torch.tensor([0.0 if i % 2 else 1.0 for i in range(num_rows)], device=dev)
+        metadata = SamplingMetadata(
+            temperature=temperature,
+            all_greedy=False,
+            all_random=num_rows == 1,
+            top_k=torch.full((num_rows,), min(20, logits.shape[1]), dtype=torch.int64, device=dev),
+            top_p=torch.full((num_rows,), 0.9, device=dev),
+            min_p=None,
+            generators={0: make_generator(0, 0, dev)},
+            presence_penalties=None,
+            frequency_penalties=None,
+            repetition_penalties=None,
+            prompt_token_ids=None,
+            output_token_ids=[],
+            max_num_logprobs=1,
+        )
+        Sampler(torch.Generator(device=dev))(logits, metadata)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
