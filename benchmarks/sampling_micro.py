@@ -1,69 +1,80 @@
-"""Sampling micro-benchmark: sort-based vs partial-selection top-k/top-p, and the whole Sampler before/after.
+"""Sampling micro-benchmark: one decode step's path from hidden states to sampled ids (LM head, Sampler, Gumbel-max kernel).
 
-"before" is the previous pipeline (full sort for top-k/top-p, softmax, exponential race with
-one torch generator per seeded row); "after" is engine.sample as it is now (topk-based
-top-k/top-p, one-pass Gumbel-max with counter-based noise). Half the rows are seeded.
-Prints a table and writes JSON. Times are the minimum over repeats (shared machines drift).
+Per row count (default 1, 16, 64, 256) at vocab 151936 (Qwen3), logits in the model dtype
+(bf16 on GPU), temperature 0.6, unseeded rows drawing keys from a device generator as the
+model runner does; with and without top-k / top-p. Columns (ms per step):
+  head      the LM head matmul alone (hidden [B, 1024] x weight [V, 1024])
+  sampler   engine.sample.Sampler on the head's logits
+  path      head + sampler: the whole per-step sampling path
+  unfused   plain rows only: the path as it was before the one-pass kernel (float32 logits
+            from the head, the sampler's float32 copy, an in-place temperature division, then
+            the kernel), for comparison
+  kernel    the Gumbel-max kernel alone on the bf16 logits with the temperature folded in
+  row_scan  the same kernel with one chunk per row (one program scans a whole row)
+  floor     one read of the bf16 logits at 4.3 TB/s (the measured device copy rate)
+Times are per call, averaged over a loop of calls, minimum over repeats (shared machines
+drift). Prints a table and writes JSON.
 
-  python benchmarks/sampling_micro.py --device cpu  --out benchmarks/out/sampling_micro_cpu.json
   python benchmarks/sampling_micro.py --device cuda --out benchmarks/out/sampling_micro_h200.json
+  python benchmarks/sampling_micro.py --device cpu --rows 1,16 --out benchmarks/out/sampling_micro_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
+import torch.nn.functional as F
 
-from engine.sample import Sampler, SamplingMetadata, make_generator
-from engine.sample.topk_topp import apply_min_p, apply_temperature, apply_top_k_top_p, apply_top_k_top_p_sort
+from engine.kernels import cdiv, use_triton
+from engine.kernels.sampling import _BLOCK, gumbel_sample, gumbel_sample_triton
+from engine.sample import Sampler, SamplingMetadata
+from engine.sample.random_sampling import sampling_keys
+from engine.sample.topk_topp import apply_temperature
 
 VOCAB = 151936
+HIDDEN = 1024
+TEMPERATURE = 0.6
+COPY_BYTES_PER_S = 4.3e12
 FEATURES = {  # name -> (top_k, top_p)
     "plain": (None, None),
-    "top_k=50": (50, None),
-    "top_p=0.9": (None, 0.9),
     "top_k=50,top_p=0.9": (50, 0.9),
+    "top_p=0.9": (None, 0.9),
 }
 
 
-def make_logits(batch: int, kind: str, device: str) -> torch.Tensor:
-    """flat: N(0, 2^2) logits (top-p 0.9 keeps thousands of tokens); peaked: 20 tokens 15 nats above the rest."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    logits = torch.randn(batch, VOCAB, generator=gen) * 2.0
-    if kind == "peaked":
-        hot = torch.randint(0, VOCAB, (batch, 20), generator=gen)
-        logits.scatter_add_(1, hot, torch.full((batch, 20), 15.0))
-    return logits.to(device)
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
-def timed(fn, device: str, repeats: int) -> float:
-    """Minimum wall time in ms over `repeats` runs after one warm-up."""
+def timed(fn, device: str, repeats: int, calls: int) -> float:
+    """ms per call: the mean over `calls` back-to-back calls, minimum over `repeats` loops, after a warm-up."""
     fn()
+    sync(device)
     best = float("inf")
     for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
+        for _ in range(calls):
+            fn()
+        sync(device)
+        best = min(best, (time.perf_counter() - start) / calls)
     return best * 1e3
 
 
-def metadata(batch: int, top_k: int | None, top_p: float | None, device: str, seeded: bool) -> SamplingMetadata:
-    gens = {i: make_generator(1000 + i, 7, device) for i in range(0, batch, 2)} if seeded else {}
+def metadata(batch: int, top_k: int | None, top_p: float | None, device: str) -> SamplingMetadata:
     return SamplingMetadata(
-        temperature=torch.full((batch,), 0.8, device=device),
+        temperature=torch.full((batch,), TEMPERATURE, device=device),
         all_greedy=False,
         all_random=True,
         top_k=None if top_k is None else torch.full((batch,), top_k, dtype=torch.int64, device=device),
         top_p=None if top_p is None else torch.full((batch,), top_p, device=device),
         min_p=None,
-        generators=gens,
+        generators={},
         presence_penalties=None,
         frequency_penalties=None,
         repetition_penalties=None,
@@ -72,75 +83,78 @@ def metadata(batch: int, top_k: int | None, top_p: float | None, device: str, se
     )
 
 
-def old_sampler(logits: torch.Tensor, md: SamplingMetadata, device: str) -> torch.Tensor:
-    """The previous Sampler's random path: sort-based top-k/top-p, softmax, per-row-generator exponential race."""
-    logits = logits.to(torch.float32, copy=True)
-    apply_temperature(logits, md.temperature)
-    apply_top_k_top_p_sort(logits, md.top_k, md.top_p)
-    if md.min_p is not None:
-        apply_min_p(logits, md.min_p)
-    probs = logits.softmax(dim=-1)
-    q = torch.empty_like(probs)
-    if len(md.generators) < probs.shape[0]:
-        q.exponential_()
-    for row, seed_gen in md.generators.items():
-        gen = torch.Generator(device=device).manual_seed(seed_gen.initial_seed())  # the old per-row device generator
-        q[row].exponential_(generator=gen)
-    q.clamp_min_(torch.finfo(q.dtype).tiny)
-    return probs.div(q).argmax(dim=-1)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batches", default="1,64,256")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rows", default="1,16,64,256")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=None, help="calls per timed loop (default 20 on cuda, 2 on cpu)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = args.device
+    calls = args.calls or (20 if device == "cuda" else 2)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     out_path = args.out or f"benchmarks/out/sampling_micro_{device}.json"
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    # Weights and hidden states scaled so the logits spread like an LM's (std ~ 4 nats).
+    weight = (torch.randn(VOCAB, HIDDEN, generator=gen) * (4.0 / HIDDEN**0.5)).to(device=device, dtype=dtype)
+    max_rows = max(int(b) for b in args.rows.split(","))
+    hidden_all = torch.randn(max_rows, HIDDEN, generator=gen).to(device=device, dtype=dtype)
+    key_gen = torch.Generator(device=device).manual_seed(0)  # what the model runner hands the Sampler
+    sampler = Sampler(key_gen)
+    num_tiles = cdiv(VOCAB, _BLOCK)
+
     rows = []
-    for batch in [int(b) for b in args.batches.split(",")]:
-        for kind in ("flat", "peaked"):
-            logits = make_logits(batch, kind, device)
-            for name, (top_k, top_p) in FEATURES.items():
-                if name == "plain" and kind == "peaked":
-                    continue  # plain sampling does not depend on the distribution's shape
-                k = None if top_k is None else torch.full((batch,), top_k, dtype=torch.int64, device=device)
-                p = None if top_p is None else torch.full((batch,), top_p, device=device)
-                row = {"device": device, "batch": batch, "vocab": VOCAB, "logits": kind, "features": name}
-                if name != "plain":
-                    row["topk_topp_sort_ms"] = timed(
-                        lambda x=logits, k=k, p=p: apply_top_k_top_p_sort(x.clone(), k, p), device, args.repeats
-                    )
-                    row["topk_topp_new_ms"] = timed(
-                        lambda x=logits, k=k, p=p: apply_top_k_top_p(x.clone(), k, p), device, args.repeats
-                    )
-                    kept = torch.isfinite(apply_top_k_top_p(logits.clone(), k, p)).sum(-1).float().mean().item()
-                    row["mean_kept_tokens"] = kept
-                md = metadata(batch, top_k, top_p, device, seeded=True)
-                sampler = Sampler()
-                row["sampler_before_ms"] = timed(
-                    lambda x=logits, md=md: old_sampler(x, md, device), device, args.repeats
-                )
-                row["sampler_after_ms"] = timed(lambda x=logits, md=md, s=sampler: s(x, md), device, args.repeats)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+    for batch in [int(b) for b in args.rows.split(",")]:
+        hidden = hidden_all[:batch]
+        logits = F.linear(hidden, weight)  # [B, V] model dtype, as LMHead returns it
+        floor_ms = batch * VOCAB * logits.element_size() / COPY_BYTES_PER_S * 1e3
+        head_ms = timed(lambda h=hidden: F.linear(h, weight), device, args.repeats, calls)
+        temperature = torch.full((batch,), TEMPERATURE, device=device)
+        keys = sampling_keys(batch, {}, key_gen, torch.device(device))
+        kernel_ms = timed(lambda x=logits, k=keys, t=temperature: gumbel_sample(x, k, t), device, args.repeats, calls)
+        row_scan_ms = None
+        if use_triton(logits):
+            row_scan_ms = timed(
+                lambda x=logits, k=keys, t=temperature: gumbel_sample_triton(x, k, t, tiles_per_chunk=num_tiles),
+                device,
+                args.repeats,
+                calls,
+            )
+        for name, (top_k, top_p) in FEATURES.items():
+            md = metadata(batch, top_k, top_p, device)
+            row = {"device": device, "dtype": str(dtype).removeprefix("torch."), "rows": batch, "vocab": VOCAB}
+            row["features"] = name
+            row["head_ms"] = head_ms
+            row["sampler_ms"] = timed(lambda x=logits, md=md: sampler(x, md), device, args.repeats, calls)
+            row["path_ms"] = timed(
+                lambda h=hidden, md=md: sampler(F.linear(h, weight), md), device, args.repeats, calls
+            )
+            row["unfused_ms"] = None
+            if name == "plain":
+
+                def unfused(h=hidden, md=md):
+                    x = F.linear(h, weight).float()  # the head's old float32 output
+                    x = x.to(torch.float32, copy=True)  # the sampler's own copy
+                    apply_temperature(x, md.temperature)
+                    return gumbel_sample(x, sampling_keys(x.shape[0], {}, key_gen, x.device))
+
+                row["unfused_ms"] = timed(unfused, device, args.repeats, calls)
+            row["kernel_ms"] = kernel_ms
+            row["row_scan_ms"] = row_scan_ms
+            row["floor_ms"] = floor_ms
+            rows.append(row)
+            print(json.dumps(row), flush=True)
 
     def fmt(x):
-        return f"{x:10.1f}" if x is not None else f"{'-':>10}"
+        return f"{x:9.3f}" if x is not None else f"{'-':>9}"
 
-    print(
-        f"\n{'B':>4} {'logits':>7} {'features':>20} {'kept':>8} {'sort ms':>10} {'new ms':>10} "
-        f"{'samp.before':>12} {'samp.after':>11}"
-    )
+    columns = ("head_ms", "sampler_ms", "path_ms", "unfused_ms", "kernel_ms", "row_scan_ms", "floor_ms")
+    print(f"\n{'rows':>5} {'features':>20} " + " ".join(f"{c.removesuffix('_ms'):>9}" for c in columns) + "   (ms)")
     for r in rows:
-        kept = r.get("mean_kept_tokens")
-        print(
-            f"{r['batch']:>4} {r['logits']:>7} {r['features']:>20} {'-' if kept is None else round(kept):>8} "
-            f"{fmt(r.get('topk_topp_sort_ms'))} {fmt(r.get('topk_topp_new_ms'))} "
-            f"{r['sampler_before_ms']:12.1f} {r['sampler_after_ms']:11.1f}"
-        )
+        print(f"{r['rows']:>5} {r['features']:>20} " + " ".join(fmt(r[c]) for c in columns))
+    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
     with open(out_path, "w") as f:
         json.dump(rows, f, indent=1)
     print(f"wrote {out_path}")

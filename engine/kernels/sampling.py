@@ -1,10 +1,13 @@
 """Batch-independent sampling in one pass over the logits: Triton kernel and its torch reference.
 
-Gumbel-max with counter-based noise: token = argmax(logits[v] - log(-log u(key, v))), where
-u is a hash of the row's 63-bit key and the vocabulary index. A row's key comes from its
-own (seed, position) when seeded, so its token depends on nothing else in the batch; no
-softmax, sort or generator state is needed. Rows with key < 0 are greedy (no noise).
-The hash uses only masked 32-bit products, so torch (int64) and Triton compute the same u.
+Gumbel-max with counter-based noise: token = argmax(logits[v] / T - log(-log u(key, v))),
+where u is a hash of the row's 63-bit key and the vocabulary index. A row's key comes from
+its own (seed, position) when seeded, so its token depends on nothing else in the batch; no
+softmax, sort or generator state is needed. Rows with key < 0 are greedy (no noise, no T).
+The hash uses only 32-bit products taken mod 2^32, so torch (int64, masked) and Triton
+(uint32) compute the same u. The temperature T is optional: passing it lets the kernel read
+the model's bf16 logits directly, upcasting and dividing in registers (the same float32
+values as a separate `logits.float() / T`, without writing them out).
 
 Resolution: u takes 2^23 values in [2^-24, 1 - 2^-24], so the noise lies in about [-2.8, 16.6]
 and a token more than ~19.4 nats below its row's best can never be drawn (its exact
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels import use_triton
+from engine.kernels import cdiv, next_power_of_2, use_triton
 
 try:
     import triton
@@ -45,11 +48,22 @@ def uniform_noise_ref(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return ((h >> 9) * 2 + 1).to(torch.float32) * (2.0**-24)  # odd multiples of 2^-24
 
 
+def _apply_temperature_ref(logits: torch.Tensor, keys: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    """float32 logits / T per row; greedy rows (key < 0) divide by 1, so they keep their values exactly."""
+    logits = logits.to(torch.float32)
+    if temperature is None:
+        return logits
+    temp = temperature.to(device=logits.device, dtype=torch.float32)  # [B]
+    return logits / torch.where(keys < 0, torch.ones_like(temp), temp).unsqueeze(1)
+
+
 def gumbel_sample_simple_ref(
-    logits: torch.Tensor,  # [B, V] float32, temperature and masks already applied
+    logits: torch.Tensor,  # [B, V] float32, masks already applied
     keys: torch.Tensor,  # [B] int64; < 0 means greedy
+    temperature: torch.Tensor | None = None,  # [B] float32; None = already applied
 ) -> torch.Tensor:  # [B] int64
-    """The definition, written plainly: argmax(logits + Gumbel(key)) per row; greedy rows take argmax(logits)."""
+    """The definition, written plainly: argmax(logits / T + Gumbel(key)) per row; greedy rows take argmax(logits)."""
+    logits = _apply_temperature_ref(logits, keys, temperature)
     u = uniform_noise_ref(keys.clamp_min(0), logits.shape[1])
     noise = -torch.log(-torch.log(u))
     noise = torch.where((keys < 0)[:, None], torch.zeros_like(noise), noise)
@@ -94,10 +108,11 @@ def _log_neg_log_u(k0: torch.Tensor, k1: torch.Tensor, golden: torch.Tensor) -> 
 
 
 def gumbel_sample_ref(
-    logits: torch.Tensor,  # [B, V] float32, temperature and masks already applied
+    logits: torch.Tensor,  # [B, V] any float dtype, masks already applied
     keys: torch.Tensor,  # [B] int64; < 0 means greedy
+    temperature: torch.Tensor | None = None,  # [B] float32; None = already applied
 ) -> torch.Tensor:  # [B] int64
-    """argmax(logits + Gumbel(key)) per row; greedy rows take argmax(logits).
+    """argmax(logits / T + Gumbel(key)) per row in float32; greedy rows take argmax(logits).
 
     Same tokens as gumbel_sample_simple_ref (the same u bit for bit, the same float ops), but
     in int32 and in blocks of rows that fit in cache (about 4x less memory traffic on CPU).
@@ -108,7 +123,7 @@ def gumbel_sample_ref(
     num_rows, vocab_size = logits.shape
     if num_rows == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
-    logits = logits.to(torch.float32)
+    logits = _apply_temperature_ref(logits, keys, temperature)  # [B, V] float32
     greedy = keys < 0
     k = keys.clamp_min(0)
     k0 = torch.where((k & _M32) >= 2**31, (k & _M32) - 2**32, k & _M32).to(torch.int32)  # [B] low word
@@ -135,57 +150,152 @@ def gumbel_sample_ref(
     return out
 
 
+# The Triton path splits each row into chunks of whole BLOCK-sized tiles: one program per
+# (row, chunk) writes the chunk's (best score, lowest index at it), a second kernel reduces a
+# row's partials. Taking the max and then the lowest index at it is associative, so the token
+# is the same for any chunking (and the same as a one-program-per-row scan).
+#
+#   row r:  | chunk 0: tiles 0..t-1 | chunk 1: tiles t..2t-1 | ... | chunk C-1 (may be short) |
+#              -> (val[r,0], idx[r,0])  (val[r,1], idx[r,1])  ...      -> out[r]
+_BLOCK = 1024
+# Chunk lengths the heuristic picks from, in tiles: each is a compiled variant (TILES is a
+# constexpr, which also keeps the loop bound a plain int for the interpreter).
+_TILES_PER_CHUNK = (1, 2, 8)
+# Use a longer chunk once it still leaves at least this many (row, chunk) programs: a few
+# waves of the GPU, so a large batch pays less per-program overhead and a single row still
+# spreads over all SMs.
+_MIN_PROGRAMS = 4096
+
+
+def gumbel_tiles_per_chunk(num_rows: int, vocab_size: int) -> int:
+    """Tiles per chunk for the Triton path: one for small batches, longer chunks for large ones."""
+    num_tiles = cdiv(max(1, vocab_size), _BLOCK)
+    best = _TILES_PER_CHUNK[0]
+    for tiles in _TILES_PER_CHUNK:
+        if num_rows * cdiv(num_tiles, tiles) >= _MIN_PROGRAMS:
+            best = tiles
+    return best
+
+
 if triton is not None:
 
     @triton.jit
-    def _fmix32(h):
+    def _fmix32_u32(h):  # uint32 in, uint32 out: products wrap mod 2^32 and shifts are logical, as in _fmix32_ref
         h = h ^ (h >> 16)
-        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+        h = h * 0x85EBCA6B
         h = h ^ (h >> 13)
-        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+        h = h * 0xC2B2AE35
         return h ^ (h >> 16)
 
-    @triton.jit
-    def _gumbel_sample_kernel(out_ptr, logits_ptr, keys_ptr, stride_row, V, BLOCK: tl.constexpr):
+    # Row and chunk counts change every step: not specialized, so one compiled kernel serves all.
+    @triton.jit(do_not_specialize=["num_chunks"])
+    def _gumbel_partial_kernel(
+        val_ptr,  # [B, C] float32: each chunk's best score
+        idx_ptr,  # [B, C] int32: lowest token index with that score
+        logits_ptr,  # [B, V] any float dtype, unit stride along V
+        keys_ptr,  # [B] int64; < 0 means greedy
+        temp_ptr,  # [B] float32, read only when HAS_TEMPERATURE
+        stride_row,
+        V,
+        num_chunks,
+        HAS_TEMPERATURE: tl.constexpr,
+        TILES: tl.constexpr,  # BLOCK-sized tiles per chunk
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0)
+        chunk = tl.program_id(1)
         key = tl.load(keys_ptr + row)
         greedy = key < 0
         key = tl.maximum(key, 0)
-        k0 = key & 0xFFFFFFFF
-        k1 = (key >> 32) & 0xFFFFFFFF
+        k0 = (key & 0xFFFFFFFF).to(tl.uint32)
+        k1 = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        if HAS_TEMPERATURE:
+            # x / T as float32(x * RN64(1 / T)): the product is within 2^-52 (relative) of x / T,
+            # while x / T is either a float32 or at least 2^-49 away from a float32 rounding
+            # midpoint (a midpoint has 25 significant bits, and x, T have 24), so rounding the
+            # product gives exactly the correctly rounded x / T of torch's division, without
+            # div.rn's per-element slow-path branch. Greedy rows multiply by 1 (exact).
+            inv_temp = 1.0 / tl.load(temp_ptr + row).to(tl.float64)  # div.rn.f64: correctly rounded
+            inv_temp = tl.where(greedy, 1.0, inv_temp)
         best_val = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-        best_idx = tl.zeros([BLOCK], dtype=tl.int64)
+        best_idx = tl.zeros([BLOCK], dtype=tl.int32)
         base = logits_ptr + row.to(tl.int64) * stride_row
-        for start in range(0, V, BLOCK):
-            v = start + tl.arange(0, BLOCK)
+        # The last chunk's tiles past V are fully masked (fewer than TILES of them per row).
+        for t in range(TILES):
+            v = (chunk * TILES + t) * BLOCK + tl.arange(0, BLOCK)
             x = tl.load(base + v, mask=v < V, other=float("-inf")).to(tl.float32)
-            v64 = v.to(tl.int64)
-            h = ((v64 * 0x9E3779B1) & 0xFFFFFFFF) ^ k0
-            h = _fmix32(_fmix32(h) ^ k1)
-            u = ((h >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)
+            if HAS_TEMPERATURE:
+                x = (x.to(tl.float64) * inv_temp).to(tl.float32)
+            h = v.to(tl.uint32) * 0x9E3779B1 ^ k0
+            h = _fmix32_u32(_fmix32_u32(h) ^ k1)
+            u = ((h >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)  # exact: < 2^24
             noise = -tl.log(-tl.log(u))
             val = tl.where(greedy, x, x + noise)
             better = val > best_val  # strict: earlier indices win ties within a lane
             best_val = tl.where(better, val, best_val)
-            best_idx = tl.where(better, v64, best_idx)
+            best_idx = tl.where(better, v, best_idx)
         top = tl.max(best_val, axis=0)
-        # Lowest index among lanes holding the maximum (torch.argmax's tie rule).
+        # Lowest index among lanes holding the maximum (torch.argmax's tie rule); a chunk with
+        # nothing above -inf reports index 0, as the one-pass scan did for such a row.
         idx = tl.min(tl.where(best_val == top, best_idx, V), axis=0)
-        tl.store(out_ptr + row, idx)
+        tl.store(val_ptr + row * num_chunks + chunk, top)
+        tl.store(idx_ptr + row * num_chunks + chunk, idx)
+
+    @triton.jit(do_not_specialize=["num_chunks"])
+    def _argmax_partials_kernel(out_ptr, val_ptr, idx_ptr, num_chunks, V, CHUNKS: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.arange(0, CHUNKS)
+        mask = c < num_chunks
+        vals = tl.load(val_ptr + row * num_chunks + c, mask=mask, other=float("-inf"))
+        idxs = tl.load(idx_ptr + row * num_chunks + c, mask=mask, other=V)
+        top = tl.max(vals, axis=0)
+        # Chunks are in index order and each holds its lowest index, so this is the row's lowest.
+        idx = tl.min(tl.where(vals == top, idxs, V), axis=0)
+        tl.store(out_ptr + row, idx.to(tl.int64))
 
 
-def gumbel_sample_triton(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def gumbel_sample_triton(
+    logits: torch.Tensor,
+    keys: torch.Tensor,
+    temperature: torch.Tensor | None = None,
+    *,
+    tiles_per_chunk: int | None = None,
+) -> torch.Tensor:
+    """The Triton path of gumbel_sample; tiles_per_chunk overrides the chunking heuristic (tests, tuning)."""
     if logits.stride(-1) != 1:
-        return gumbel_sample_ref(logits, keys)
+        return gumbel_sample_ref(logits, keys, temperature)
     num_rows, vocab_size = logits.shape
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    if num_rows:
-        _gumbel_sample_kernel[(num_rows,)](out, logits, keys, logits.stride(0), vocab_size, BLOCK=1024, num_warps=4)
+    if num_rows == 0:
+        return out
+    num_tiles = cdiv(vocab_size, _BLOCK)
+    tiles = gumbel_tiles_per_chunk(num_rows, vocab_size) if tiles_per_chunk is None else tiles_per_chunk
+    tiles = max(1, min(tiles, num_tiles))
+    num_chunks = cdiv(num_tiles, tiles)
+    vals = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)  # [B, C]
+    idxs = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)  # [B, C]
+    temp = keys if temperature is None else temperature.to(device=logits.device, dtype=torch.float32)  # [B]
+    _gumbel_partial_kernel[(num_rows, num_chunks)](
+        vals,
+        idxs,
+        logits,
+        keys,
+        temp,
+        logits.stride(0),
+        vocab_size,
+        num_chunks,
+        HAS_TEMPERATURE=temperature is not None,
+        TILES=tiles,
+        BLOCK=_BLOCK,
+        num_warps=4,
+    )
+    # CHUNKS depends on the vocabulary only, so the reduce kernel compiles once per model.
+    _argmax_partials_kernel[(num_rows,)](out, vals, idxs, num_chunks, vocab_size, CHUNKS=next_power_of_2(num_tiles))
     return out
 
 
-def gumbel_sample(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def gumbel_sample(logits: torch.Tensor, keys: torch.Tensor, temperature: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row; Triton on GPU, the reference on CPU."""
     if use_triton(logits):
-        return gumbel_sample_triton(logits, keys)
-    return gumbel_sample_ref(logits, keys)
+        return gumbel_sample_triton(logits, keys, temperature)
+    return gumbel_sample_ref(logits, keys, temperature)

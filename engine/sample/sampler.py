@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.sampling import gumbel_sample
 from engine.sample.logits_processors import apply_allowed_token_ids, apply_bad_words, apply_logit_bias, apply_min_tokens
 from engine.sample.logprobs import LogprobsTensors, gather_logprobs
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.penalties import apply_penalties
-from engine.sample.random_sampling import sample_from_logits
+from engine.sample.random_sampling import sampling_keys
 from engine.sample.topk_topp import apply_min_p, apply_temperature, apply_top_k_top_p
 
 # Same threshold as SamplingParams.greedy, so a near-zero temperature never divides logits.
@@ -33,6 +34,11 @@ def _has_processors(md: SamplingMetadata) -> bool:
     return bool(md.allowed_token_ids_mask is not None or md.bad_words_token_ids or md.min_tokens or md.logit_bias)
 
 
+def _has_shaping(md: SamplingMetadata) -> bool:
+    """Top-k, top-p or min-p: they need the temperature-scaled float32 logits as a tensor."""
+    return any(t is not None for t in (md.top_k, md.top_p, md.min_p))
+
+
 class Sampler:
     """Stateless apart from an optional generator for rows without their own seed.
 
@@ -40,27 +46,56 @@ class Sampler:
       1. raw snapshot (raw_* logprobs modes)
       2. allowed_token_ids, bad words, min_tokens, logit_bias
       3. presence / frequency / repetition penalties
-      4. greedy rows: argmax of the logits so far
-      5. random rows: temperature, top-k / top-p, min-p
-      6. processed snapshot (processed_* modes)
-      7. random rows: one-pass Gumbel-max with counter-based noise keyed by (seed, position)
-         for seeded rows, by a fresh draw from the generator for the others
-      8. logprobs of the sampled token plus the top-K from the chosen snapshot
+      4. random rows: temperature, top-k / top-p, min-p (greedy rows get neutral values, so
+         their processed logits are exactly the penalized ones)
+      5. processed snapshot (processed_* modes)
+      6. one-pass Gumbel-max with counter-based noise keyed by (seed, position) for seeded
+         rows, by a fresh draw from the generator for the others; greedy rows (key -1) take
+         the argmax of the logits so far
+      7. logprobs of the sampled token plus the top-K from the chosen snapshot
+
+    The caller's logits may be in the model's dtype (bf16 on GPU): every step that does
+    arithmetic on them works on a float32 copy, made once, and the plain cases (no edits,
+    penalties, shaping or logprobs) read them as they are, upcasting in the kernel.
     """
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         # Noise keys for unseeded rows; None uses torch's default generator.
         self.generator = generator
 
+    def _keys(
+        self, md: SamplingMetadata, num_rows: int, greedy_mask: torch.Tensor | None, device: torch.device
+    ) -> torch.Tensor:
+        """The rows' noise keys ([B] int64), -1 for greedy rows."""
+        keys = sampling_keys(num_rows, md.generators, self.generator, device)  # [B]
+        return keys if greedy_mask is None else keys.masked_fill(greedy_mask, -1)
+
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         md = metadata
         wants_logprobs = md.max_num_logprobs is not None
-        if md.all_greedy and not wants_logprobs and not _has_processors(md) and not _has_penalties(md):
-            # Fast path: nothing changes the argmax.
+        edits = _has_processors(md) or _has_penalties(md)
+        if md.all_greedy and not wants_logprobs and not edits:
+            # Fast path: nothing changes the argmax (of the logits in any dtype: upcasting is exact).
             return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
 
-        # Own copy: the caller's logits are never modified.
-        logits = logits.to(torch.float32, copy=True)  # [B, V]
+        temperature = md.temperature.to(logits.device)  # [B]
+        greedy_mask = None if md.all_random else temperature < _GREEDY_EPS  # [B] bool
+        if not md.all_greedy and not wants_logprobs and not edits and not _has_shaping(md):
+            # Fast path: one kernel pass over the caller's logits divides by the temperature and
+            # draws in registers: the same float32 values and tokens as the path below, without
+            # writing [B, V] float32 out.
+            keys = self._keys(md, logits.shape[0], greedy_mask, logits.device)  # [B]
+            return SamplerOutput(sampled_token_ids=gumbel_sample(logits, keys, temperature), logprobs=None)
+
+        scaled = False
+        if md.all_greedy or edits or (wants_logprobs and md.logprobs_mode.startswith("raw")):
+            # Own copy: the caller's logits are never modified.
+            logits = logits.to(torch.float32, copy=True)  # [B, V]
+        else:
+            # Own float32 copy and temperature in one pass: nothing before (4) needs the unscaled
+            # values, and greedy rows divide by 1 (exact).
+            logits = apply_temperature(logits, temperature, greedy_mask, out_dtype=torch.float32)  # [B, V]
+            scaled = True
 
         # (1) raw snapshot.
         snapshot: torch.Tensor | None = None
@@ -90,37 +125,32 @@ class Sampler:
                 md.repetition_penalties,
             )
 
-        # (4) greedy rows.
-        greedy_ids = None if md.all_random else logits.argmax(dim=-1)  # [B]
-
         if md.all_greedy:
-            sampled = greedy_ids
+            sampled = logits.argmax(dim=-1)  # [B]
         else:
-            temperature = md.temperature.to(logits.device)  # [B]
-            greedy_mask = None if md.all_random else temperature < _GREEDY_EPS  # [B] bool
-            # (5) random-row shaping; greedy rows get neutral values so their processed
-            # logits are exactly the penalized ones.
+            # (4) random-row shaping, neutral for greedy rows.
             top_k, top_p, min_p = md.top_k, md.top_p, md.min_p
             if greedy_mask is not None:
                 top_k = None if top_k is None else top_k.to(logits.device).masked_fill(greedy_mask, 0)
                 top_p = None if top_p is None else top_p.to(logits.device).masked_fill(greedy_mask, 1.0)
                 min_p = None if min_p is None else min_p.to(logits.device).masked_fill(greedy_mask, 0.0)
-            apply_temperature(logits, temperature, greedy_mask)
+            if not scaled:
+                apply_temperature(logits, temperature, greedy_mask)
             apply_top_k_top_p(logits, top_k, top_p)
             if min_p is not None:
                 apply_min_p(logits, min_p)
 
-            # (7) sample; greedy rows keep their argmax.
-            random_ids = sample_from_logits(logits, md.generators, self.generator)  # [B]
-            sampled = random_ids if greedy_mask is None else torch.where(greedy_mask, greedy_ids, random_ids)
+            # (6) sample; greedy rows take their argmax in the same pass.
+            keys = self._keys(md, logits.shape[0], greedy_mask, logits.device)  # [B]
+            sampled = gumbel_sample(logits, keys)  # [B]
 
-        # (6) processed snapshot (taken after sampling only because nothing below changes logits).
+        # (5) processed snapshot (taken after sampling only because nothing below changes logits).
         if wants_logprobs and md.logprobs_mode == "processed_logprobs":
             snapshot = logits.log_softmax(dim=-1)
         elif wants_logprobs and md.logprobs_mode == "processed_logits":
             snapshot = logits
 
-        # (8) logprobs.
+        # (7) logprobs.
         logprobs = None
         if wants_logprobs:
             assert snapshot is not None, f"unknown logprobs_mode {md.logprobs_mode!r}"

@@ -15,12 +15,21 @@ _SORT_FRACTION = 1 / 8
 
 
 def apply_temperature(
-    logits: torch.Tensor, temperature: torch.Tensor, greedy_mask: torch.Tensor | None = None
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    greedy_mask: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Divides each random row by its temperature; rows in greedy_mask ([B] bool) stay as they are."""
-    temp = temperature.to(logits)  # [B]
+    """Divides each random row by its temperature; rows in greedy_mask ([B] bool) stay as they are.
+
+    In place by default; with out_dtype, returns a new tensor of that dtype instead (one pass
+    that upcasts and divides: the same values as `logits.to(out_dtype)` then dividing in place).
+    """
+    temp = temperature.to(device=logits.device, dtype=out_dtype or logits.dtype)  # [B]
     if greedy_mask is not None:
         temp = torch.where(greedy_mask, torch.ones_like(temp), temp)
+    if out_dtype is not None:
+        return torch.div(logits, temp.unsqueeze(1)).to(out_dtype)  # computed in out_dtype: no extra pass
     return logits.div_(temp.unsqueeze(1))
 
 

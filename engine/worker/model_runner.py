@@ -209,7 +209,7 @@ class ModelRunner:
                             prompt_logprobs=self._prompt_logprobs(batch, hidden))
         if len(batch.sample_rows):
             logits_indices = self._h2d(torch.from_numpy(batch.logits_indices))
-            logits = self.model.compute_logits(hidden[logits_indices])  # [S, V] float32
+            logits = self.model.compute_logits(hidden[logits_indices])  # [S, V]: model dtype on GPU, float32 on CPU
             out = self.sampler(logits, self._sampling_metadata(batch))
             slots = batch.slots[batch.sample_rows]
             positions = self.state.num_tokens[slots].copy()
@@ -404,7 +404,7 @@ class ModelRunner:
             if start >= end:
                 continue
             first = int(batch.query_start_loc[row])
-            logits = self.model.compute_logits(hidden[first : first + end - start])  # [n, V]
+            logits = self.model.compute_logits(hidden[first : first + end - start]).float()  # [n, V] float32
             targets = torch.from_numpy(st.token_ids[slot, start + 1 : end + 1]).to(self.device)
             lp = gather_logprobs(torch.log_softmax(logits, dim=-1), targets, sp.prompt_logprobs)
             out[batch.req_ids[row]] = lp.to_lists()
