@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.distributed import all_gather, all_reduce, get_tp
 from engine.kernels.activation import silu_and_mul
+from engine.kernels.gemv import linear
 from engine.kernels.norm import rms_norm
 from engine.kernels.rotary import rotary_embedding
 
@@ -227,7 +228,7 @@ class ColumnParallelLinear(nn.Module):
         load_part(param, param.hf_parts[self._shard_index(shard_id)], loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, local out]
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedLinear(ColumnParallelLinear):
@@ -297,8 +298,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)  # exactly the unsharded op
-        out = all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)  # exactly the unsharded op
+        out = all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 
@@ -346,8 +347,11 @@ class LMHead(nn.Module):
     """Projects hidden states to vocabulary logits; shares the embedding's parameter when tied.
 
     Split by vocabulary like VocabEmbedding: each rank computes the logits of its rows and an
-    all_gather gives every rank the full float32 [N, vocab] logits (padding dropped), so every
-    rank samples the same tokens.
+    all_gather gives every rank the full [N, vocab] logits (padding dropped), so every rank
+    samples the same tokens. On GPU the logits stay in the weight's dtype (bf16): the sampler
+    upcasts in registers or in the one float32 copy it makes, so a float32 [N, vocab] pass here
+    would be written and read for nothing; GPU callers that need float32 math upcast themselves.
+    On CPU they are float32 and contiguous, as the reference path has always had them.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tied_embedding: VocabEmbedding | None = None):
@@ -363,13 +367,20 @@ class LMHead(nn.Module):
         else:
             self.weight, _, _ = _vocab_parallel_weight(num_embeddings, embedding_dim)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab] float32
-        logits = F.linear(hidden, self.weight).float()  # [N, padded vocab / tp]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab]; see the class docstring for dtype
+        logits = F.linear(hidden, self.weight)  # [N, padded vocab / tp]
+        on_gpu = logits.is_cuda
+        if not on_gpu:
+            logits = logits.float()  # no copy for a float32 model
         if self.tp_size == 1:
             return logits
         logits = all_gather(logits, dim=-1)  # [N, padded vocab], in rank (= vocab) order
         if logits.shape[-1] != self.num_embeddings:
-            logits = logits[:, : self.num_embeddings].contiguous()
+            # On GPU a view without the padding columns: rows keep the padded stride, which
+            # every GPU consumer (torch ops, the sampling kernel) accepts, so no copy.
+            logits = logits[:, : self.num_embeddings]
+            if not on_gpu:
+                logits = logits.contiguous()
         return logits
 
 

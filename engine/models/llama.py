@@ -150,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_rows, hidden] -> [num_rows, vocab] float32."""
+        """[num_rows, hidden] -> [num_rows, vocab]: the model's dtype on GPU (the sampler upcasts), float32 on CPU."""
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
