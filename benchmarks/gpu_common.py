@@ -120,22 +120,36 @@ def copy_bandwidth_bytes_per_s(num_bytes: int = 2 << 30) -> float:
 class StepTimer:
     """Records (num_reqs, num_tokens, runner seconds, engine-step seconds) of every EngineCore step.
 
-    Wraps the LLM's EngineCore.step and its executor's execute_model; the runner's time ends
-    with its one host sync per step, so it covers the GPU work of the step.
+    Wraps the LLM's EngineCore.step and the executor's way of running a step (launch_model with
+    async scheduling, execute_model without). On CUDA the runner's time is the device time
+    between events recorded before and after the step's work is queued (its forward pass and
+    sampling), so it is the GPU's time for the step whether or not the host waits for it; on
+    CPU it is the call's wall time. The engine-step time is one EngineCore.step() call: with
+    async scheduling, launching step N+1 and collecting step N, i.e. the time per step.
     """
 
     def __init__(self, llm) -> None:
-        self.records: list[tuple[int, int, float, float]] = []
+        self.records: list[tuple[int, int, object, float]] = []
         core = llm.engine_core
-        execute, step = core.executor.execute_model, core.step
+        self._cuda = torch.cuda.is_available()
+        step = core.step
         pending: dict = {}
 
-        def timed_execute(sched):
-            start = time.perf_counter()
-            out = execute(sched)
-            pending.update(n=len(sched.num_scheduled_tokens), t=sched.total_num_scheduled_tokens,
-                           r=time.perf_counter() - start)
-            return out
+        def timed(run):
+            def wrapper(sched):
+                if self._cuda:
+                    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    begin.record()
+                    out = run(sched)
+                    end.record()
+                    runner = (begin, end)
+                else:
+                    start = time.perf_counter()
+                    out = run(sched)
+                    runner = time.perf_counter() - start
+                pending.update(n=len(sched.num_scheduled_tokens), t=sched.total_num_scheduled_tokens, r=runner)
+                return out
+            return wrapper
 
         def timed_step():
             pending.clear()
@@ -146,12 +160,21 @@ class StepTimer:
                 self.records.append((pending["n"], pending["t"], pending["r"], elapsed))
             return out
 
-        core.executor.execute_model = timed_execute
+        if core.async_scheduling:
+            core.executor.launch_model = timed(core.executor.launch_model)
+        else:
+            core.executor.execute_model = timed(core.executor.execute_model)
         core.step = timed_step
 
     def decode_steps(self, num_reqs: int) -> list[tuple[float, float]]:
         """(runner s, step s) of the steps where exactly num_reqs rows each decoded one token."""
-        return [(r, s) for n, t, r, s in self.records if n == num_reqs and t == num_reqs]
+        if self._cuda:
+            torch.cuda.synchronize()
+        out = []
+        for n, t, r, s in self.records:
+            if n == num_reqs and t == num_reqs:
+                out.append((r[0].elapsed_time(r[1]) / 1e3 if isinstance(r, tuple) else r, s))
+        return out
 
 
 def median(xs):

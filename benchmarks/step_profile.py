@@ -47,6 +47,8 @@ def _sync() -> None:
 
 def _kind(sched) -> str:
     num_reqs = len(sched.num_scheduled_tokens)
+    if num_reqs == 0:
+        return "empty"
     if sched.total_num_scheduled_tokens == num_reqs:
         lo, hi = next(b for b in BATCH_BUCKETS if b[0] <= num_reqs <= b[1])
         return f"decode {lo}-{hi}" if lo != hi else f"decode {lo}"
@@ -54,11 +56,19 @@ def _kind(sched) -> str:
 
 
 def traced_run(llm, prompts, params) -> tuple[list[dict], float]:
-    """One timed generate() with timers around the core's schedule, execute and update."""
+    """One timed generate() with timers around the core's schedule, execute and update.
+
+    With async scheduling an engine step launches step N+1 and collects step N: 'execute' is
+    the launch plus the wait for the previous step, and the record is the iteration's (its
+    kind is the launched step's).
+    """
     core = llm.engine_core
     records: list[dict] = []
     current: dict = {}
-    schedule, execute, update = core.scheduler.schedule, core.executor.execute_model, core.scheduler.update_from_output
+    schedule, update = core.scheduler.schedule, core.scheduler.update_from_output
+    executor = core.executor
+    run_names = ["launch_model", "finish_model"] if core.async_scheduling else ["execute_model"]
+    runs = {name: getattr(executor, name) for name in run_names}
 
     def timed_schedule():
         t = time.perf_counter()
@@ -67,24 +77,30 @@ def traced_run(llm, prompts, params) -> tuple[list[dict], float]:
                        schedule_ms=(time.perf_counter() - t) * 1e3, t0=t)
         return out
 
-    def timed_execute(sched):
-        t = time.perf_counter()
-        out = execute(sched)
-        current["execute_ms"] = (time.perf_counter() - t) * 1e3
-        return out
+    def timed(run):
+        def wrapper(arg):
+            t = time.perf_counter()
+            out = run(arg)
+            current["execute_ms"] = current.get("execute_ms", 0.0) + (time.perf_counter() - t) * 1e3
+            return out
+        return wrapper
 
     def timed_update(sched, runner_out):
         t = time.perf_counter()
         out = update(sched, runner_out)
         now = time.perf_counter()
-        current["update_ms"] = (now - t) * 1e3
-        if records:  # the time from the previous step's end to this step's schedule: output handling, loop
-            current["between_ms"] = (current["t0"] - records[-1]["t_end"]) * 1e3
-        current["t_end"] = now
-        records.append(dict(current))
+        if "kind" in current:  # an iteration that scheduled something
+            current["update_ms"] = (now - t) * 1e3
+            if records:  # the time from the previous step's end to this step's schedule: output handling, loop
+                current["between_ms"] = (current["t0"] - records[-1]["t_end"]) * 1e3
+            current["t_end"] = now
+            records.append(dict(current))
+        current.clear()
         return out
 
-    core.scheduler.schedule, core.executor.execute_model = timed_schedule, timed_execute
+    core.scheduler.schedule = timed_schedule
+    for name, run in runs.items():
+        setattr(executor, name, timed(run))
     core.scheduler.update_from_output = timed_update
     try:
         _sync()
@@ -93,8 +109,9 @@ def traced_run(llm, prompts, params) -> tuple[list[dict], float]:
         _sync()
         elapsed = time.perf_counter() - start
     finally:
-        core.scheduler.schedule, core.executor.execute_model = schedule, execute
-        core.scheduler.update_from_output = update
+        core.scheduler.schedule, core.scheduler.update_from_output = schedule, update
+        for name, run in runs.items():
+            setattr(executor, name, run)
     return records, elapsed
 
 
@@ -103,7 +120,7 @@ def summarize_steps(records: list[dict]) -> list[dict]:
     for r in records:
         groups[r["kind"]].append(r)
     rows = []
-    order = ["prefill/mixed"] + [f"decode {lo}-{hi}" if lo != hi else f"decode {lo}" for lo, hi in BATCH_BUCKETS]
+    order = ["prefill/mixed", "empty"] + [f"decode {lo}-{hi}" if lo != hi else f"decode {lo}" for lo, hi in BATCH_BUCKETS]
     for kind in order:
         rs = groups.get(kind)
         if not rs:
