@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from engine.engine_args import create_engine_config
 from engine.core_client import InprocClient
+from engine.engine_args import create_engine_config
 from engine.metrics.loggers import StatLoggerManager
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput

@@ -100,6 +100,16 @@ class RequestState:
             )
         self.stop = params.stop if self.detokenizer is not None else None
         self.hold_back = stop_hold_back(self.stop, params.include_stop_str_in_output)
+        # FINAL_ONLY without stop strings shows text only once the request finishes, so the
+        # text is decoded then, in one pass over all its tokens: a decode step costs a
+        # list extend instead of a detokenizer call. Feeding the same ids through the same
+        # IncrementalDetokenizer makes the text identical to decoding step by step.
+        self.final_only = self.output_kind == RequestOutputKind.FINAL_ONLY
+        self.defer_text = self.final_only and not self.stop
+        # Whether a step may carry anything besides token ids (checked once per step).
+        self.wants_extras = (
+            params.logprobs is not None or params.prompt_logprobs is not None or params.return_routed_experts
+        )
 
         self.token_ids: list[int] = []
         self.text = ""  # detokenized text, cut at a stop string
@@ -109,8 +119,10 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
-        # (weight_version, start, end) over token_ids; adjacent steps of one version share a span.
-        self.weight_spans: list[tuple[str, int, int]] = []
+        # (weight_version, start) of each run of token_ids computed by one version, in order; a
+        # run ends where the next starts (the last at len(token_ids)). A step of the version
+        # already running only extends token_ids, so this changes only when the version does.
+        self.weight_span_starts: list[tuple[str, int]] = []
         # DELTA bookkeeping: how much of each stream the caller has seen.
         self.num_sent_tokens = 0
         self.num_sent_chars = 0
@@ -124,29 +136,25 @@ class RequestState:
 
     def update(self, out: EngineCoreOutput, weight_version: str = "default") -> bool:
         """Folds one step into the state; returns True if a stop string finished the request here."""
-        self._extend_weight_spans(weight_version, len(out.new_token_ids))
-        self.token_ids += out.new_token_ids
+        new_ids = out.new_token_ids
+        if new_ids:
+            if not self.weight_span_starts or self.weight_span_starts[-1][0] != weight_version:
+                self.weight_span_starts.append((weight_version, len(self.token_ids)))
+            self.token_ids += new_ids
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
-        if out.new_logprobs is not None and self.logprobs is not None:
-            rows = self._logprob_dicts(out.new_logprobs, self.params.logprobs)
-            self.logprobs += rows
-            self.cumulative_logprob += sum(next(iter(row.values())).logprob for row in rows)  # chosen entry is first
-        if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
-            self.prompt_logprobs += self._logprob_dicts(out.new_prompt_logprobs, self.params.prompt_logprobs)
-        if out.new_routed_experts is not None and self.routed_experts is not None:
-            self.routed_experts += out.new_routed_experts.tolist()
-        if out.finished:
+        if self.wants_extras:
+            self._update_extras(out)
+        finished = out.finish_reason is not None
+        if finished:
             self.finish_reason, self.stop_reason = str(out.finish_reason), out.stop_reason
 
         if self.detokenizer is None:
             return False
-        ids = out.new_token_ids
-        # A stop token (EOS or one of stop_token_ids) ends the text without appearing in it,
-        # unless the request asks for its stop string/token to be kept.
-        stopped_by_token = out.finish_reason == FinishReason.STOP and not isinstance(out.stop_reason, str)
-        if stopped_by_token and ids and not self.params.include_stop_str_in_output:
-            ids = ids[:-1]
-        new_text = self.detokenizer.update(ids, finished=out.finished)
+        if self.defer_text:
+            if finished:  # every token at once (no stop strings, so nothing else to check)
+                self.text = self.detokenizer.update(self._ids_to_detokenize(self.token_ids, out), finished=True)
+            return False
+        new_text = self.detokenizer.update(self._ids_to_detokenize(new_ids, out), finished=finished)
         self.text += new_text
         # As in vLLM, stop strings are ignored while the output is shorter than min_tokens.
         if not self.stop or not new_text or len(self.token_ids) <= self.params.min_tokens:
@@ -158,21 +166,35 @@ class RequestState:
         self.text = self.text[:cut]
         # A stop string overrides whatever the engine said in the same step (e.g. "length").
         self.finish_reason, self.stop_reason = str(FinishReason.STOP), stop_str
-        return not out.finished
+        return not finished
 
-    def _extend_weight_spans(self, weight_version: str, num_new_tokens: int) -> None:
-        if num_new_tokens == 0:
-            return
-        start, end = len(self.token_ids), len(self.token_ids) + num_new_tokens
-        if self.weight_spans and self.weight_spans[-1][0] == weight_version:
-            start = self.weight_spans.pop()[1]  # the same weights continue: grow the last span
-        self.weight_spans.append((weight_version, start, end))
+    def _ids_to_detokenize(self, ids: list[int], out: EngineCoreOutput) -> list[int]:
+        """`ids` (ending with this step's tokens) less a final stop token: a stop token (EOS or one
+        of stop_token_ids) ends the text without appearing in it, unless the request asks for
+        its stop string/token to be kept."""
+        stopped_by_token = out.finish_reason == FinishReason.STOP and not isinstance(out.stop_reason, str)
+        if stopped_by_token and out.new_token_ids and ids and not self.params.include_stop_str_in_output:
+            return ids[:-1]
+        return ids
+
+    def _update_extras(self, out: EngineCoreOutput) -> None:
+        """Logprobs, prompt logprobs and routed experts of one step."""
+        if out.new_logprobs is not None and self.logprobs is not None:
+            rows = self._logprob_dicts(out.new_logprobs, self.params.logprobs)
+            self.logprobs += rows
+            self.cumulative_logprob += sum(next(iter(row.values())).logprob for row in rows)  # chosen entry is first
+        if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
+            self.prompt_logprobs += self._logprob_dicts(out.new_prompt_logprobs, self.params.prompt_logprobs)
+        if out.new_routed_experts is not None and self.routed_experts is not None:
+            self.routed_experts += out.new_routed_experts.tolist()
 
     def _weight_spans_from(self, start_tok: int) -> list[tuple[str, int, int]]:
         """The spans of token_ids[start_tok:], re-based so that they index that slice."""
+        starts = self.weight_span_starts
+        ends = [start for _, start in starts[1:]] + [len(self.token_ids)]
         return [
             (version, max(start, start_tok) - start_tok, end - start_tok)
-            for version, start, end in self.weight_spans
+            for (version, start), end in zip(starts, ends)
             if end > start_tok
         ]
 
@@ -324,6 +346,8 @@ class OutputProcessor:
                 reqs_to_abort.append(state.req_id)
             if state.finished:
                 del self.request_states[state.req_id]
+            elif state.final_only:
+                continue  # nothing to show until it finishes (for a child: nothing to gather)
             # Steps without new tokens (prompt-logprob chunks of a chunked prefill) report nothing.
             if not out.new_token_ids and not state.finished:
                 continue

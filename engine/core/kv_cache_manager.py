@@ -16,6 +16,8 @@ class KVCacheBlocks:
     blocks: tuple[KVCacheBlock, ...] = ()
 
     def get_block_ids(self) -> list[int]:
+        if not self.blocks:  # most decode steps take no block
+            return []
         return [b.block_id for b in self.blocks]
 
     def __len__(self) -> int:
@@ -103,26 +105,38 @@ class KVCacheManager:
         """Gives `request` blocks for num_computed_tokens + num_new_computed_tokens +
         num_new_tokens tokens, taking the prefix-hit blocks first. Returns the blocks
         appended this call, or None (and changes nothing) when too few blocks are free."""
+        num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        if new_computed_blocks is None and req_blocks is not None and len(req_blocks) * self.block_size >= num_tokens:
+            # The common decode step: its tokens fit in the blocks it holds, so nothing is taken
+            # (the general path below would take zero blocks and return an empty result too).
+            self._cache_full_blocks(request, req_blocks, num_tokens)
+            return _NO_BLOCKS
         num_new_blocks = self._num_blocks_needed(request, num_new_tokens, new_computed_blocks, num_new_computed_tokens)
         if num_new_blocks is None:
             return None
         hit_blocks = new_computed_blocks.blocks if new_computed_blocks is not None else ()
-        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request.request_id] = []
         # Touch hits before taking new blocks so a free hit block cannot be evicted here.
         self.block_pool.touch(hit_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(hit_blocks)
         req_blocks.extend(new_blocks)
-
-        num_cached = self.num_cached_blocks.get(request.request_id, 0)
-        if self.enable_caching and request.request_id not in self.uncacheable_req_ids:
-            num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-            num_full_blocks = min(num_tokens, request.num_tokens) // self.block_size
-            if num_full_blocks > num_cached:
-                self._update_block_hashes(request, num_full_blocks * self.block_size)
-                self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full_blocks)
-                self.num_cached_blocks[request.request_id] = num_full_blocks
+        self._cache_full_blocks(request, req_blocks, num_tokens)
         return KVCacheBlocks(tuple(hit_blocks) + tuple(new_blocks))
+
+    def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        """Registers the request's blocks that are full of known tokens once its first
+        num_tokens tokens are computed."""
+        if not self.enable_caching or request.request_id in self.uncacheable_req_ids:
+            return
+        num_cached = self.num_cached_blocks.get(request.request_id, 0)
+        num_full_blocks = min(num_tokens, request.num_tokens) // self.block_size
+        if num_full_blocks > num_cached:
+            self._update_block_hashes(request, num_full_blocks * self.block_size)
+            self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full_blocks)
+            self.num_cached_blocks[request.request_id] = num_full_blocks
 
     def free(self, request: Request) -> None:
         """Returns the request's blocks, tail first: when they are evicted later, the

@@ -284,21 +284,30 @@ class Scheduler:
             )
             for r in scheduled_new
         ]
-        cached_reqs_data = CachedRequestData()
-        for req_id, block_ids in new_block_ids.items():
-            cached_reqs_data.req_ids.append(req_id)
-            cached_reqs_data.new_block_ids.append(block_ids)
-            cached_reqs_data.num_computed_tokens.append(self.requests[req_id].num_computed_tokens)
+        requests = self.requests
+        cached_reqs_data = CachedRequestData(
+            req_ids=list(new_block_ids),
+            new_block_ids=list(new_block_ids.values()),
+            num_computed_tokens=[requests[req_id].num_computed_tokens for req_id in new_block_ids],
+        )
         work = self.step_work_since_stats
+        # Decode rows (one token that samples) are counted together: they differ only in where they start.
+        num_decode_rows = decode_kv_context_sum = 0
         for req_id, num_new in num_scheduled_tokens.items():
-            request = self.requests[req_id]
+            request = requests[req_id]
             start = request.num_computed_tokens
-            request.num_computed_tokens += num_new
+            request.num_computed_tokens = end = start + num_new
             # A row samples when it reaches the request's last token; a mid-prompt chunk does not.
-            samples = request.num_computed_tokens >= request.num_tokens_with_placeholders
+            samples = end >= len(request.all_token_ids) + request.num_output_placeholders
             if samples:
                 request.num_output_placeholders += 1
+                if num_new == 1:
+                    num_decode_rows += 1
+                    decode_kv_context_sum += end
+                    continue
             work.add_row(start, num_new, samples=samples)
+        if num_decode_rows:
+            work.add_decode_rows(num_decode_rows, decode_kv_context_sum)
         if num_scheduled_tokens:
             work.num_steps += 1
 
@@ -359,6 +368,9 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         finished_ids: set[str] = set()
         logprobs_rows = model_runner_output.logprobs
+        # Usually empty: skip their per-row lookups.
+        all_prompt_logprobs = model_runner_output.prompt_logprobs
+        all_routed = model_runner_output.routed_experts
         for row, req_id in enumerate(model_runner_output.req_ids):
             request = self.requests.get(req_id)
             # Finished, aborted or preempted since the step was scheduled: drop its results
@@ -368,16 +380,18 @@ class Scheduler:
             new_token_ids = model_runner_output.sampled_token_ids[row]
             if new_token_ids:
                 request.num_output_placeholders -= 1
-            prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
-            routed = model_runner_output.routed_experts.get(req_id)
-            if routed is not None:
+            prompt_logprobs = all_prompt_logprobs.get(req_id) if all_prompt_logprobs else None
+            if all_routed and (routed := all_routed.get(req_id)) is not None:
                 _collect_routed_experts(request, *routed)
             if not new_token_ids and prompt_logprobs is None:
                 continue  # mid-prompt chunk: nothing to report
+            # The request is RUNNING here, so only _check_stop can finish it.
+            stopped = False
             for i, token_id in enumerate(new_token_ids):
-                request.append_output_token_ids([token_id])
+                request.append_output_token_id(token_id)
                 if self._check_stop(request):
                     new_token_ids = new_token_ids[: i + 1]  # tokens after a stop are dropped
+                    stopped = True
                     break
             outputs.append(
                 EngineCoreOutput(
@@ -385,13 +399,15 @@ class Scheduler:
                     new_token_ids=list(new_token_ids),
                     new_logprobs=logprobs_rows[row] if logprobs_rows and new_token_ids else None,
                     new_prompt_logprobs=prompt_logprobs,
-                    finish_reason=request.get_finish_reason(),
+                    finish_reason=request.get_finish_reason() if stopped else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
-                    new_routed_experts=_take_routed_experts(request) if new_token_ids else None,
+                    new_routed_experts=(
+                        _take_routed_experts(request) if new_token_ids and request.pending_routed_experts else None
+                    ),
                 )
             )
-            if request.is_finished():
+            if stopped:
                 finished_ids.add(req_id)
                 self.kv_cache_manager.free(request)
                 del self.requests[req_id]
@@ -405,7 +421,8 @@ class Scheduler:
         """Sets the finished status if the last appended token ends the request."""
         params = request.sampling_params
         last_token_id = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
+        num_output_tokens = len(request.output_token_ids)
+        if num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and last_token_id == request.eos_token_id:
                 request.status = RequestStatus.FINISHED_STOPPED
                 return True
@@ -414,8 +431,8 @@ class Scheduler:
                 request.stop_reason = last_token_id
                 return True
         max_tokens = request.max_tokens
-        if (max_tokens is not None and request.num_output_tokens >= max_tokens) or (
-            request.num_tokens >= self.max_model_len
+        if (max_tokens is not None and num_output_tokens >= max_tokens) or (
+            len(request.all_token_ids) >= self.max_model_len
         ):
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True

@@ -29,6 +29,15 @@ class StepWork:
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
 
+    def add_decode_rows(self, num_rows: int, kv_context_sum: int) -> None:
+        """Counts num_rows rows of one sampling token each; kv_context_sum: their computed + 1, summed.
+        The same as add_row(c, 1, samples=True) per row (a decode token attends to c + 1 keys)."""
+        self.num_reqs += num_rows
+        self.num_decode_tokens += num_rows
+        self.num_sampling_reqs += num_rows
+        self.attn_context_sum += kv_context_sum
+        self.kv_context_sum += kv_context_sum
+
     def add_row(self, num_computed_tokens: int, num_new_tokens: int, samples: bool) -> None:
         """Counts one row whose num_new_tokens start at position num_computed_tokens."""
         c, n = num_computed_tokens, num_new_tokens

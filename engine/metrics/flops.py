@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from engine.core.stats import StepWork
@@ -44,7 +45,8 @@ class ModelShape:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         )
 
-    @property
+    # Cached: the estimate runs on every engine step (the shape never changes).
+    @cached_property
     def layer_linear_params(self) -> int:
         """Weights of one layer's matmuls (biases and norms are left out: they are tiny)."""
         q_and_o = 2 * self.hidden_size * self.num_heads * self.head_dim
@@ -52,7 +54,7 @@ class ModelShape:
         gated_mlp = 3 * self.hidden_size * self.intermediate_size  # gate, up, down
         return q_and_o + k_and_v + gated_mlp
 
-    @property
+    @cached_property
     def kv_elems_per_token(self) -> int:
         """K and V elements one token keeps, over all layers."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim

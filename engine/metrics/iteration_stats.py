@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from engine.wire import EngineCoreOutputs
 
 
-@dataclass
+@dataclass(slots=True)  # slots: read and written per request on every step
 class RequestStateStats:
     """What the frontend remembers about one engine request's timing while it runs.
 
