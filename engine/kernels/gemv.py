@@ -41,8 +41,12 @@ except ImportError:  # CPU-only installs: the reference is all there is
 # per byte; here M FLOP per weight byte), and one tl.dot tile of 16 rows covers every row, so W is
 # streamed exactly once. Past 16 a second row block would re-read W, and cuBLAS's GEMM tiles
 # should start to pay off.
-# ROLLOUT_GEMV_MAX_M overrides it (0: cuBLAS everywhere), so a benchmark can time both in one run.
-MAX_M = int(os.environ.get("ROLLOUT_GEMV_MAX_M", "16"))
+# Measured on an H200 (benchmarks/results/h200-decode-latency*.json, Qwen3-0.6B shape, CUDA graphs):
+# a one-row decode step took 1.18 ms with the kernel against 1.46 ms with cuBLAS, but a 16-row step
+# 1.95 ms against 1.80 ms (the heuristic's "dot" configs are not tuned yet; benchmarks/gemv_configs.py
+# times them). So by default only one-row calls (the "fma" GEMV) take the kernel.
+# ROLLOUT_GEMV_MAX_M overrides it (0: cuBLAS everywhere; 16: the dot path too).
+MAX_M = int(os.environ.get("ROLLOUT_GEMV_MAX_M", "1"))
 NUM_SMS = 132  # H200
 # Programs to aim for: several waves of resident programs so that enough loads are in flight.
 TARGET_PROGRAMS = 4 * NUM_SMS
