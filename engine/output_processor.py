@@ -152,7 +152,7 @@ class RequestState:
             return False
         if self.defer_text:
             if finished:  # every token at once (no stop strings, so nothing else to check)
-                self.text = self.detokenizer.update(self._ids_to_detokenize(self.token_ids, out), finished=True)
+                self.text = self.detokenizer.decode_whole(self._ids_to_detokenize(self.token_ids, out))
             return False
         new_text = self.detokenizer.update(self._ids_to_detokenize(new_ids, out), finished=finished)
         self.text += new_text

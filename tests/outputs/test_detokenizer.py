@@ -38,6 +38,24 @@ def test_random_ids_any_split_matches_decode(tokenizer, skip):
 
 
 @pytest.mark.parametrize("skip", [True, False])
+def test_decoding_a_whole_output_at_once_equals_streaming_it(tokenizer, skip):
+    """decode_whole (FINAL_ONLY outputs) gives the streamed text, for in-vocabulary ids, special
+    tokens, multi-byte characters, prompts ending mid-character, and ids the tokenizer does not know."""
+    rng = random.Random(99 + skip)
+    vocab = len(tokenizer)
+    texts = ["Hello", "The dog", "日本", "", "café 🙂", "<|im_start|>assistant\n"]
+    for _ in range(400):
+        prompt = tokenizer.encode(rng.choice(texts), add_special_tokens=False)
+        if rng.random() < 0.2:
+            prompt = prompt + tokenizer.encode("日", add_special_tokens=False)[:1]  # ends mid-character
+        hi = vocab if rng.random() < 0.7 else 4 * vocab  # ids past the tokenizer's vocabulary decode to ""
+        ids = [rng.randrange(hi) for _ in range(rng.randrange(0, 40))]
+        streamed = "".join(stream(tokenizer, prompt, random_split(ids, rng) + [[]], skip))
+        whole = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)
+        assert whole.decode_whole(ids) == streamed == whole.output_text
+
+
+@pytest.mark.parametrize("skip", [True, False])
 def test_multibyte_text_never_streams_replacement_char(tokenizer, skip):
     text = "café 日本語 🙂<|im_end|> naïve Zürich ✨ русский<|im_end|>"
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -99,3 +117,4 @@ def test_prompt_context_keeps_leading_space_for_metaspace_tokenizer():
     detok = IncrementalDetokenizer(tok, prompt)
     text = "".join(detok.update([i]) for i in out) + detok.update([], finished=True)
     assert text == " world there" == tok.decode(full)[len(tok.decode(prompt)) :]
+    assert IncrementalDetokenizer(tok, prompt).decode_whole(out) == text  # the FINAL_ONLY path too
