@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -72,6 +73,12 @@ class EngineCore:
         # Outputs of a step collected by drain(), stamped with the weights that computed them;
         # the next step() returns them before anything else.
         self._drained: EngineCoreOutputs | None = None
+        # Everything made so far (imported libraries, the model, graphs, caches) lives as long as the
+        # engine: moved out of the collector's view, a full collection while serving walks only
+        # what steps allocate (on a CPU process with ~330k tracked objects one took 190 ms; GPU
+        # processes hold more). Acyclic garbage is still freed by reference counting.
+        gc.collect()
+        gc.freeze()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Admits a request, or raises ValueError naming what is wrong and changes nothing.
@@ -433,6 +440,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        gc.unfreeze()  # what the engine held may now be garbage (in cycles): let the collector see it again
 
 
 class InjectedFault(RuntimeError):
