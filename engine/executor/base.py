@@ -146,15 +146,16 @@ class Executor(ABC):
         return self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=OUTPUT_RANK)[OUTPUT_RANK]
 
     # Async scheduling: an executor that can leave one step in flight while the engine core
-    # schedules the next (the in-process one) sets this and implements launch/finish.
+    # schedules the next (the in-process one) sets this and overrides launch/finish.
     supports_async_steps = False
 
     def launch_model(self, scheduler_output: SchedulerOutput) -> Any:
-        """Starts a step without waiting for its samples; finish_model(handle) collects them, in launch order."""
-        raise NotImplementedError(f"{type(self).__name__} runs steps synchronously (execute_model)")
+        """Starts a step; finish_model(handle) collects its output, in launch order. Here the
+        step runs whole (executors that cannot leave one in flight)."""
+        return self.execute_model(scheduler_output)
 
     def finish_model(self, handle: Any) -> ModelRunnerOutput:
-        raise NotImplementedError(f"{type(self).__name__} runs steps synchronously (execute_model)")
+        return handle
 
     def execute_dummy_batch(self) -> None:
         """One forward pass of a dummy token on every rank, nothing sampled or returned: a lockstep engine
