@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.host_copy import to_device
 from engine.kernels.sampling import gumbel_sample
 
 _MASK64 = (1 << 64) - 1
@@ -58,16 +59,8 @@ def sampling_keys(
     if generators:
         rows = torch.tensor(list(generators), dtype=torch.int64)
         seeded = torch.tensor([gen.initial_seed() & _MASK63 for gen in generators.values()], dtype=torch.int64)
-        keys[_to_device(rows, device)] = _to_device(seeded, device)
+        keys[to_device(rows, device)] = to_device(seeded, device)
     return keys
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without waiting for the device's queued work (a pageable copy to
-    a GPU waits for it; with a step in flight that is the whole previous step)."""
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def sample_from_logits(

@@ -11,6 +11,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
 from engine.core.sched_output import SchedulerOutput
 from engine.forward_context import set_forward_context
+from engine.host_copy import to_device, to_host
 from engine.sample import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs, make_generator
 from engine.wire import LogprobsLists
 from engine.worker.cuda_graphs import CudaGraphRunner
@@ -143,19 +144,7 @@ class ModelRunner:
         return self._h2d(torch.from_numpy(tokens)), prev.sampled[self._h2d(torch.from_numpy(src))]
 
     def _h2d(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the device without blocking the host (pinned staging on CUDA): a
-        pageable copy would wait for the step in flight to finish."""
-        if self.device.type == "cpu":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
-
-    def _d2h(self, t: torch.Tensor) -> torch.Tensor:
-        """Starts copying a device tensor to (pinned) host memory; valid once the step's `done` event has passed."""
-        if self.device.type == "cpu":
-            return t
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        return host
+        return to_device(t, self.device)
 
     # ---- state updates -------------------------------------------------------------------
 
@@ -217,10 +206,10 @@ class ModelRunner:
             self.state.token_ids[slots[room], positions[room]] = PLACEHOLDER
             self.state.num_tokens[slots[room]] += 1
             step.sampled, step.sample_slots, step.sample_positions = out.sampled_token_ids, slots, positions
-            step.host_sampled = self._d2h(out.sampled_token_ids)
+            step.host_sampled = to_host(out.sampled_token_ids)
             if out.logprobs is not None:
                 lp = out.logprobs
-                step.host_logprobs = LogprobsTensors(self._d2h(lp.token_ids), self._d2h(lp.logprobs), self._d2h(lp.ranks))
+                step.host_logprobs = LogprobsTensors(to_host(lp.token_ids), to_host(lp.logprobs), to_host(lp.ranks))
                 step.logprob_counts = [self.state.sampling_params[s].logprobs for s in slots.tolist()]
             if self.device.type == "cuda":
                 step.done = torch.cuda.Event()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.host_copy import to_device
 from engine.worker.input_batch import InputBatch
 
 
@@ -19,10 +20,7 @@ class ModelState:
         self.device = device
 
     def _to_device(self, array, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.from_numpy(array).to(dtype)
-        if self.device.type == "cpu":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return to_device(torch.from_numpy(array).to(dtype), self.device)
 
     def model_inputs(self, batch: InputBatch) -> dict[str, torch.Tensor]:
         return {
