@@ -42,26 +42,40 @@ class StepInFlight:
     routed_experts: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)
 
 
-def dummy_forward(model: torch.nn.Module, device: torch.device) -> None:
-    """One forward pass of token id 0 at position 0, reading block 0, with slot -1: its KV is never written.
+def forward_without_kv_writes(model: torch.nn.Module, device: torch.device, query_lens: list[int],
+                              seq_lens: list[int], num_blocks: int = 1, block_size: int = 1) -> torch.Tensor:
+    """One eager forward pass of token id 0 at each row's last query_len positions of seq_len, with
+    slot -1 (no KV is ever written), reading any of the first num_blocks blocks; returns [T, hidden].
 
-    The block pool reserves no block, so block 0 may be another request's; reading it is harmless
-    (the KV cache holds finite values and the output is dropped).
+    The block pool reserves no block, so those blocks may be requests'; reading them is harmless
+    (the KV cache holds finite values and the outputs are dropped). Warm-up passes and lockstep
+    dummy batches use it.
     """
+    num_reqs = len(query_lens)
+    width = max(-(-s // block_size) for s in seq_lens)
+    block_table = (torch.arange(num_reqs * width, device=device) % num_blocks).view(num_reqs, width)
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]).to(device)  # [T]
+    num_tokens = positions.shape[0]
+    query_start_loc = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     metadata = AttentionMetadata(
-        num_actual_tokens=1,
-        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([1], dtype=torch.int32, device=device),
-        block_table=torch.zeros(1, 1, dtype=torch.int32, device=device),
-        slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=device),  # no KV write
-        max_query_len=1,
-        max_seq_len=1,
-        query_lens_cpu=[1],
-        seq_lens_cpu=[1],
+        num_actual_tokens=num_tokens,
+        query_start_loc=query_start_loc.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_table=block_table.to(torch.int32),
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),  # no KV write
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
     )
-    token = torch.zeros(1, dtype=torch.int64, device=device)  # [1]: id 0, and position 0
+    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     with torch.inference_mode(), set_forward_context(metadata):
-        model(input_ids=token, positions=token)
+        return model(input_ids=input_ids, positions=positions)
+
+
+def dummy_forward(model: torch.nn.Module, device: torch.device) -> None:
+    """One forward pass of token id 0 at position 0, reading block 0; its KV is never written."""
+    forward_without_kv_writes(model, device, [1], [1])
 
 
 class ModelRunner:

@@ -8,7 +8,6 @@ import time
 import torch
 
 from engine.attention.layer import Attention
-from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
 from engine.core.sched_output import SchedulerOutput
 from engine.core.scheduler import token_budget
@@ -20,10 +19,9 @@ from engine.distributed.parallel_state import (
     init_tensor_parallel,
 )
 from engine.executor.base import baseline_for_rank
-from engine.forward_context import set_forward_context
 from engine.models.loader import load_hf_config, load_model
 from engine.sample import Sampler, SamplingMetadata, make_generator
-from engine.worker.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner, forward_without_kv_writes
 from engine.worker.runner_output import ModelRunnerOutput
 from engine.worker.weight_update import WeightUpdater
 
@@ -223,39 +221,14 @@ class Worker:
         logits = None
         with torch.inference_mode():
             for query_lens, seq_lens in batches:
-                hidden = self._warm_up_forward(query_lens, seq_lens, num_blocks)
+                hidden = forward_without_kv_writes(self.model, self.device, query_lens, seq_lens, num_blocks,
+                                                   block_size)
                 last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1  # each row's last token
                 logits = self.model.compute_logits(hidden[last])  # [rows, V]
             self.model.compute_logits(hidden[-1:])  # one row (a single finishing prefill)
             self._warm_up_sampler(logits)
             self._warm_up_sampler(logits[:1])
         return len(batches)
-
-    def _warm_up_forward(self, query_lens: list[int], seq_lens: list[int], num_blocks: int) -> torch.Tensor:
-        """One eager forward pass of token 0 at the rows' positions, reading any blocks, writing none."""
-        block_size = self.config.cache.block_size
-        dev = self.device
-        num_reqs = len(query_lens)
-        width = max(-(-s // block_size) for s in seq_lens)
-        # Any valid block ids: the cache holds finite values, and the outputs are dropped.
-        block_table = (torch.arange(num_reqs * width, device=dev) % num_blocks).view(num_reqs, width)
-        positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]).to(dev)  # [T]
-        num_tokens = positions.shape[0]
-        query_start_loc = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        metadata = AttentionMetadata(
-            num_actual_tokens=num_tokens,
-            query_start_loc=query_start_loc.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_table=block_table.to(torch.int32),
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),  # no KV write
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=list(query_lens),
-            seq_lens_cpu=list(seq_lens),
-        )
-        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
-        with set_forward_context(metadata):
-            return self.model(input_ids=input_ids, positions=positions)
 
     def _warm_up_sampler(self, logits: torch.Tensor) -> None:
         """The sampler's paths once: greedy and random rows, top-k/top-p, a seeded row, logprobs.
