@@ -191,7 +191,6 @@ class InprocClient(SyncEngineCoreClient, AsyncEngineCoreClient):
         if not callable(fn):
             raise EngineUtilityError(f"AttributeError: EngineCore has no method {method!r}")
         try:
-            self.engine_core.drain()  # no step in flight under a utility call (async scheduling)
             return fn(*args)
         finally:
             self._wake()  # resume(), wake_up(), pause("abort")... may give the engine work to do

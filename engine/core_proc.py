@@ -233,7 +233,6 @@ class EngineCoreProc:
                 fn = getattr(self.engine_core, method, None) if not method.startswith("_") else None
                 if not callable(fn):
                     raise AttributeError(f"EngineCore has no method {method!r}")
-                self.engine_core.drain()  # no step in flight under a utility call (async scheduling)
                 result = fn(*args)
             answer = UtilityOutput(call_id, result=result)
         except Exception as e:

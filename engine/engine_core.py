@@ -169,9 +169,9 @@ class EngineCore:
         """Collects the step in flight; its outputs go out with the next step(), stamped with the
         weight version that computed them.
 
-        Every control call (pause, sleep, weight updates...) starts with it, and frontends call
-        it before any utility call, so they see the engine with no step half done, as in
-        synchronous scheduling.
+        Every control call that changes what steps run or with which weights (pause, sleep,
+        wake-up, weight updates, synchronize) starts with it, so it sees the engine with no step
+        half done, as in synchronous scheduling.
         """
         outputs = self._finish_in_flight()
         if outputs is None:
