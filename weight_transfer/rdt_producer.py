@@ -110,17 +110,21 @@ class RDTProducer:
             self.sync_id, self.num_consumers = sync_id, num_consumers
             return self._descriptor()
 
-    def publish(self, sync_id: int, group: int, slot: int, payload: np.ndarray) -> None:
-        """Copies a packed group into `slot` once the slot is free; TimeoutError after timeout_s without progress."""
+    def publish(self, sync_id: int, group: int, slot: int, payload: np.ndarray | torch.Tensor) -> None:
+        """Copies a packed group (uint8; a Ray actor gets a numpy array, a producer in the trainer's process a
+        tensor on its slots' device) into `slot` once the slot is free; TimeoutError after timeout_s without
+        progress."""
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"publish: slot {slot} is not one of the {self.num_slots} slots")
         self._wait(sync_id, lambda: slot not in self._held, f"slot {slot} to be free for group {group}")
         if payload.nbytes > self.slot_bytes:  # known once the sync has begun
             raise ValueError(f"publish: group {group} has {payload.nbytes} bytes; slots hold {self.slot_bytes}")
         data = self.slots[slot][: payload.nbytes]
-        with warnings.catch_warnings():  # Ray hands over a read-only array; it is only read
-            warnings.simplefilter("ignore", UserWarning)
-            data.copy_(torch.from_numpy(payload))
+        if isinstance(payload, np.ndarray):
+            with warnings.catch_warnings():  # Ray hands over a read-only array; it is only read
+                warnings.simplefilter("ignore", UserWarning)
+                payload = torch.from_numpy(payload)
+        data.copy_(payload)
         if data.is_cuda:
             torch.cuda.synchronize(data.device)  # the bytes must be in place before the tag says so
         with self._lock:

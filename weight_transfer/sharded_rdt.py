@@ -294,10 +294,12 @@ class ShardedRDTTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             members = [_next_tensor(tensors, plan, i) for i in range(group.start, group.end)]
             if plan.owner(g, self.world_size) != self.rank:
                 continue
-            payload = _pack_group(plan, g, members)
+            payload = _pack_group(plan, g, members, self.producer.payload_device)
             del members  # only the packed copy stays alive while it travels
             slot = plan.slot(g, self.world_size, self.init_info.lookahead_groups)
-            self._await(self.producer.submit("publish", sync_id, g, slot, payload.numpy()), update,
+            if self.producer.payload_device.type == "cpu":
+                payload = payload.numpy()  # what Ray ships without pickling a torch tensor
+            self._await(self.producer.submit("publish", sync_id, g, slot, payload), update,
                         f"group {g} ({plan.names[group.start]}) to be published")
             sent += sum(s.nbytes for p in group.packs for s in p.slots)
         return sent
@@ -371,6 +373,8 @@ def _find_producer(info: ShardedRDTTrainerInitInfo, rank: int):
 class _ActorProducer:
     """A producer that is a Ray actor: calls return ObjectRefs."""
 
+    payload_device = torch.device("cpu")  # payloads travel through Ray's object store
+
     def __init__(self, actor) -> None:
         self.actor = actor
 
@@ -400,6 +404,8 @@ class _ThreadProducer:
 
     def __init__(self, producer: RDTProducer) -> None:
         self.producer = producer
+        # The trainer packs straight onto the slots' device: GPU slots take a device-to-device copy, no host trip.
+        self.payload_device = producer.device
         self.pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="rdt-producer")
 
     def submit(self, method: str, *args) -> concurrent.futures.Future:
@@ -433,16 +439,18 @@ def _next_tensor(tensors: Iterator[tuple[str, torch.Tensor]], plan: SyncPlan, in
     return tensor
 
 
-def _pack_group(plan: SyncPlan, group: int, members: list[torch.Tensor]) -> torch.Tensor:
-    """The group's slot image in host memory: packs at their offsets, tensors at their pack slots."""
+def _pack_group(
+    plan: SyncPlan, group: int, members: list[torch.Tensor], device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """The group's slot image on `device`: packs at their offsets, tensors at their pack slots."""
     layout = plan.groups[group]
-    payload = torch.empty(layout.nbytes, dtype=torch.uint8)
+    payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
     for pack, pack_offset in zip(layout.packs, layout.pack_offsets):
         region = payload[pack_offset : pack_offset + pack.nbytes]
         for slot in pack.slots:
             copy_into(region, slot, members[slot.index - layout.start])
-    if any(t.is_cuda for t in members):
-        torch.cuda.synchronize()  # copy_into is non_blocking from the device
+    if payload.is_cuda or any(t.is_cuda for t in members):
+        torch.cuda.synchronize()  # copy_into is non_blocking from and to the device
     return payload
 
 
