@@ -208,15 +208,17 @@ def bench_model(model: str, args, done: list[dict]) -> list[dict]:
                 sent.append(stats.bytes_sent)
                 assert client.get_weight_version() == f"{backend}-v{i}"
             greedy = greedy_check(server, hf, config["vocab_size"], args)
-            match = None
+            match, mismatched = None, []
             if dense_bytes <= args.checksum_max_gb * 1e9:
-                match = bool(client.weight_checker(hf_state_checksums(state))["match"])
+                report = client.weight_checker(hf_state_checksums(state))
+                match, mismatched = bool(report["match"]), list(report.get("mismatches", []))
             trainer.shutdown()
             median = statistics.median(times)
             row = {"model": model, "backend": backend, "dense_bytes": dense_bytes, "warmup_s": warm_s,
                    "warmup_bytes_sent": warm.bytes_sent, "sync_s": times, "median_s": median,
                    "gb_per_s": dense_bytes / median / 1e9, "bytes_sent_median": statistics.median(sent),
-                   "sent_fraction": statistics.median(sent) / dense_bytes, "greedy": greedy, "checksums_match": match}
+                   "sent_fraction": statistics.median(sent) / dense_bytes, "greedy": greedy, "checksums_match": match,
+                   "checksum_mismatches": mismatched}
             results.append(row)
             write_json(args, [*done, *results])  # after every row: a run cut short keeps what it measured
             print(f"{model:<14}{backend:<15}{dense_bytes / 1e6:>10.1f}{warm_s:>10.3f}{median:>10.4f}"

@@ -665,6 +665,10 @@ class ShardedRDTWeightTransferEngine(WeightTransferEngine):
                 self.last_bytes_read += end - start
         if not local:
             return None
+        if buffer.is_cuda:
+            # NIXL writes outside torch's streams: the kernels queued on this buffer (the worker landing the
+            # views of the pack it held before, the zeros above) must have run before the READ lands in it.
+            torch.cuda.synchronize(buffer.device)
         where = f"READ of group {g} pack {p} ({plan.names[group.start]!r}) from trainer rank {producer.rank}"
         return self._post(local, mem_type, remote, producer.mem_type, producer, where)
 
