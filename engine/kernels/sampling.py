@@ -177,6 +177,15 @@ def gumbel_tiles_per_chunk(num_rows: int, vocab_size: int) -> int:
     return best
 
 
+def gumbel_row_classes(vocab_size: int, max_rows: int) -> list[int]:
+    """The smallest row count for each chunk length the heuristic picks up to max_rows (each is a compiled
+    variant, so the engine's warm-up samples once at each)."""
+    rows: dict[int, int] = {}
+    for n in range(1, max(1, max_rows) + 1):
+        rows.setdefault(gumbel_tiles_per_chunk(n, vocab_size), n)
+    return sorted(rows.values())
+
+
 if triton is not None:
 
     @triton.jit

@@ -11,6 +11,7 @@ from engine.attention.layer import Attention
 from engine.config import EngineConfig
 from engine.core.sched_output import SchedulerOutput
 from engine.core.scheduler import token_budget
+from engine.kernels.sampling import gumbel_row_classes
 from engine.distributed.parallel_state import (
     destroy_expert_parallel,
     destroy_tensor_parallel,
@@ -226,12 +227,16 @@ class Worker:
                 last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1  # each row's last token
                 logits = self.model.compute_logits(hidden[last])  # [rows, V]
             self.model.compute_logits(hidden[-1:])  # one row (a single finishing prefill)
-            self._warm_up_sampler(logits)
-            self._warm_up_sampler(logits[:1])
+            # The sampling kernel compiles one variant per chunk length, which depends on the row count.
+            for num_rows in gumbel_row_classes(logits.shape[1], max_num_seqs):
+                rows = logits[torch.arange(num_rows, device=self.device) % logits.shape[0]]
+                self._warm_up_sampler(rows, shaped=True)
+                self._warm_up_sampler(rows, shaped=False)
         return len(batches)
 
-    def _warm_up_sampler(self, logits: torch.Tensor) -> None:
-        """The sampler's paths once: greedy and random rows, top-k/top-p, a seeded row, logprobs.
+    def _warm_up_sampler(self, logits: torch.Tensor, shaped: bool) -> None:
+        """One sampler call: greedy and random rows, with top-k/top-p, a seeded row and logprobs (shaped)
+        or temperature alone (the fast path).
 
         Its own Sampler and generator, so the engine's seeded stream is not advanced.
         """
@@ -242,16 +247,16 @@ class Worker:
             temperature=temperature,
             all_greedy=False,
             all_random=num_rows == 1,
-            top_k=torch.full((num_rows,), min(20, logits.shape[1]), dtype=torch.int64, device=dev),
-            top_p=torch.full((num_rows,), 0.9, device=dev),
+            top_k=torch.full((num_rows,), min(20, logits.shape[1]), dtype=torch.int64, device=dev) if shaped else None,
+            top_p=torch.full((num_rows,), 0.9, device=dev) if shaped else None,
             min_p=None,
-            generators={0: make_generator(0, 0, dev)},
+            generators={0: make_generator(0, 0, dev)} if shaped else {},
             presence_penalties=None,
             frequency_penalties=None,
             repetition_penalties=None,
             prompt_token_ids=None,
             output_token_ids=[],
-            max_num_logprobs=1,
+            max_num_logprobs=1 if shaped else None,
         )
         Sampler(torch.Generator(device=dev))(logits, metadata)
 

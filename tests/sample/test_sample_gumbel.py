@@ -54,3 +54,14 @@ def test_golden_token():
 
 # Computed once with gumbel_sample_ref (also what the Triton kernel must give: tests/gpu/test_kernels.py).
 GOLDEN_TOKENS = [367, 470, 404, 591, 967, 589]
+
+
+def test_warm_up_row_classes_cover_every_chunk_length_the_heuristic_picks():
+    from engine.kernels.sampling import gumbel_row_classes, gumbel_tiles_per_chunk
+
+    for vocab, max_rows in [(151936, 256), (151936, 1024), (32000, 64), (512, 8)]:
+        rows = gumbel_row_classes(vocab, max_rows)
+        picked = {gumbel_tiles_per_chunk(n, vocab) for n in range(1, max_rows + 1)}
+        assert sorted(gumbel_tiles_per_chunk(n, vocab) for n in rows) == sorted(picked)  # one row count per variant
+        assert rows[0] == 1 and all(n <= max_rows for n in rows)
+    assert len(gumbel_row_classes(151936, 256)) == 3  # Qwen's vocabulary at 256 rows: chunks of 1, 2 and 8 tiles
