@@ -17,8 +17,6 @@ steps (max_query_len == 1) use small tiles, steps with prefill rows large ones.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from engine.attention import torch_ref
@@ -197,17 +195,12 @@ def write_kv_cache(
 # each row's keys into up to _MAX_SPLITS shares (flash-decoding) and combine the partials.
 _TARGET_PROGRAMS = 1024
 _MAX_SPLITS = 16
-# Splits of every decode step however large its batch: a few also balance batches whose context
-# lengths differ (one long row's program otherwise finishes alone). ROLLOUT_ATTN_MIN_SPLITS sets it.
-MIN_DECODE_SPLITS = int(os.environ.get("ROLLOUT_ATTN_MIN_SPLITS", "1"))
 
 
 def _num_splits(max_query_len: int, num_programs: int) -> int:
-    if max_query_len > 1:
+    if max_query_len > 1 or num_programs >= _TARGET_PROGRAMS // 2:
         return 1
-    if num_programs >= _TARGET_PROGRAMS // 2:
-        return MIN_DECODE_SPLITS
-    return max(MIN_DECODE_SPLITS, min(_MAX_SPLITS, next_power_of_2(-(-_TARGET_PROGRAMS // num_programs))))
+    return min(_MAX_SPLITS, next_power_of_2(-(-_TARGET_PROGRAMS // num_programs)))
 
 
 # Decode tile shape; benchmarks/attention_configs.py times the alternatives.
