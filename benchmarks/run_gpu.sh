@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tier and the GPU benchmarks in one device call; logs and JSON go to $OUT (default benchmarks/out).
-# Usage: benchmarks/run_gpu.sh [tests] [a] [b] [c] [d] [w] [s] [p] [g] [x2]   (no argument: all but s, p, g and x2)
+# Usage: benchmarks/run_gpu.sh [tests] [a] [b] [c] [d] [w] [s] [p] [g] [t] [x2]   (no argument: all but s, p, g, t and x2)
 # g: small-M linear kernel configs against cuBLAS.
+# t: decode attention tile configs and split-KV, at one context length and at mixed lengths.
 # p: where the offline run's time goes (per-step host/GPU split, top kernels).
 # x2 (two GPUs): the two-GPU tests, nccl/sharded_rdt/sparse weight sync GPU 0 -> GPU 1, TP=2 and DP=2 throughput.
 set -uo pipefail
@@ -36,6 +37,7 @@ for part in $parts; do
          --temperature 0.6 --hf-num-requests 8 --hf-batch-size 8 --json-out "$OUT/h200-7b-offline-throughput.json"
        run decode_7b $py benchmarks/decode_latency.py --shape qwen2.5-7b --json-out "$OUT/h200-7b-decode-latency.json" ;;
     g) run gemv_configs $py benchmarks/gemv_configs.py --json-out "$OUT/h200-gemv-configs.json" ;;
+    t) run attention_configs $py benchmarks/attention_configs.py --json-out "$OUT/h200-attention-configs.json" ;;
     p) run step_profile_0.6b $py benchmarks/step_profile.py --shape qwen3-0.6b --json-out "$OUT/h200-step-profile.json" ;;
     s) run sampling_micro $py benchmarks/sampling_micro.py --device cuda --out "$OUT/h200-sampling-micro.json" ;;
     w) run weight_sync $py benchmarks/weight_sync.py --device cuda --backends ipc --buffer-mib 1024 --syncs 5 \
