@@ -11,7 +11,6 @@ from engine.attention.layer import Attention
 from engine.config import EngineConfig
 from engine.core.sched_output import SchedulerOutput
 from engine.core.scheduler import token_budget
-from engine.kernels.sampling import gumbel_row_classes
 from engine.distributed.parallel_state import (
     destroy_expert_parallel,
     destroy_tensor_parallel,
@@ -20,6 +19,7 @@ from engine.distributed.parallel_state import (
     init_tensor_parallel,
 )
 from engine.executor.base import baseline_for_rank
+from engine.kernels.sampling import gumbel_row_classes
 from engine.models.loader import load_hf_config, load_model
 from engine.sample import Sampler, SamplingMetadata, make_generator
 from engine.worker.model_runner import ModelRunner, forward_without_kv_writes
