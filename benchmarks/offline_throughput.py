@@ -28,6 +28,9 @@ def parse_args() -> argparse.Namespace:
                    help="run HF generate() on only the first N requests (it is slow on long outputs)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--attention-order", choices=["rows", "longest"], default=None,
+                   help="decode attention programs in row order or longest context first "
+                        "(engine.kernels.attention.LONGEST_FIRST; default: the engine's; in-process engine only)")
     # Defaults: the nano-vllm workload (256 requests, prompt and output lengths uniform in
     # [100, 1024]) and the engine's default max_num_seqs; on the tiny model a 2-core CPU runs
     # it in about two minutes, HF included. HF's cost grows with the padded length (every
@@ -190,6 +193,10 @@ def main() -> None:
     else:
         path = resolve_model(args.model)
     work = make_workload(args, vocab_size_of(path))
+    if args.attention_order is not None:
+        from engine.kernels import attention
+
+        attention.LONGEST_FIRST = args.attention_order == "longest"
     ours = run_engine(args, path, work)
     result = {
         "benchmark": "offline_throughput",
@@ -199,6 +206,7 @@ def main() -> None:
         "output_len": args.output_len,
         "max_num_seqs": args.max_num_seqs,
         "temperature": args.temperature,
+        "attention_order": args.attention_order,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "machine": platform.node(),
         "torch": torch.__version__,

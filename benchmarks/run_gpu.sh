@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU tier and the GPU benchmarks in one device call; logs and JSON go to $OUT (default benchmarks/out).
-# Usage: benchmarks/run_gpu.sh [tests] [a] [b] [c] [d] [w] [s] [p] [g] [t] [x2]   (no argument: all but s, p, g, t and x2)
+# Usage: benchmarks/run_gpu.sh [tests] [a] [b] [c] [d] [w] [s] [p] [g] [t] [al] [x2]   (no argument: all but s, p, g, t, al and x2)
 # g: small-M linear kernel configs against cuBLAS.
-# t: decode attention tile configs and split-KV, at one context length and at mixed lengths.
+# t: decode attention tile configs, split-KV and program order, at one context length and at mixed lengths.
+# al: (a) without HF, decode attention programs longest context first.
 # p: where the offline run's time goes (per-step host/GPU split, top kernels).
 # x2 (two GPUs): the two-GPU tests, nccl/sharded_rdt/sparse weight sync GPU 0 -> GPU 1, TP=2 and DP=2 throughput.
 set -uo pipefail
@@ -30,6 +31,9 @@ for part in $parts; do
     a) run offline_0.6b $py benchmarks/offline_throughput.py --shape qwen3-0.6b --num-requests 256 \
          --input-len 100 1024 --output-len 100 1024 --max-num-seqs 256 --max-num-batched-tokens 8192 \
          --temperature 0.6 --hf-num-requests 16 --hf-batch-size 16 --json-out "$OUT/h200-offline-throughput.json" ;;
+    al) run offline_0.6b_longest $py benchmarks/offline_throughput.py --shape qwen3-0.6b --num-requests 256 \
+         --input-len 100 1024 --output-len 100 1024 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+         --temperature 0.6 --skip-hf --attention-order longest --json-out "$OUT/h200-offline-throughput-longest-first.json" ;;
     b) run decode_0.6b $py benchmarks/decode_latency.py --shape qwen3-0.6b --json-out "$OUT/h200-decode-latency.json" ;;
     c) run grpo_0.6b $py benchmarks/grpo_rollout.py --shape qwen3-0.6b --json-out "$OUT/h200-grpo-rollout.json" ;;
     d) run offline_7b $py benchmarks/offline_throughput.py --shape qwen2.5-7b --num-requests 256 \

@@ -36,6 +36,8 @@ class AttentionMetadata:
     # Scratch for the attention backend: how it split this step's rows, computed on the
     # first layer and reused by the others (the metadata lives for one forward pass).
     backend_plan: Any = None
+    # Scratch of the Triton backend's decode steps: request indices by context length, longest first.
+    longest_first_order: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -64,32 +64,41 @@ if triton is not None:
     @triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
     def _paged_attention_kernel(
         out_ptr, part_acc_ptr, part_ml_ptr,
-        q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+        q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr, order_ptr,
         scale_log2, num_reqs, num_heads,
         stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
         stride_c_block, stride_c_off, stride_c_head, stride_bt,
         GROUP: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, LONGEST_FIRST: tl.constexpr,
     ):
-        tile = tl.program_id(0)
-        kv_head = tl.program_id(1)
         split = tl.program_id(2)
-
-        # Request of this tile: the last i with query_start_loc[i] // BLOCK_Q + i <= tile.
-        lo = 0
-        hi = num_reqs
-        while lo < hi:
-            mid = (lo + hi) // 2
-            first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-            if first_tile <= tile:
-                lo = mid + 1
-            else:
-                hi = mid
-        req = lo - 1
-        q_start = tl.load(query_start_loc_ptr + req)
-        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-        q_tile = tile - (q_start // BLOCK_Q + req)
+        if LONGEST_FIRST:
+            # Decode only: one tile per request. Programs start in grid order (axis 0 fastest), so
+            # the KV heads of one request come together and requests in order_ptr's order (longest
+            # context first): the last programs to start are the shortest.
+            kv_head = tl.program_id(0)
+            req = tl.load(order_ptr + tl.program_id(1))
+            q_start = tl.load(query_start_loc_ptr + req)
+            q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+            q_tile = 0
+        else:
+            tile = tl.program_id(0)
+            kv_head = tl.program_id(1)
+            # Request of this tile: the last i with query_start_loc[i] // BLOCK_Q + i <= tile.
+            lo = 0
+            hi = num_reqs
+            while lo < hi:
+                mid = (lo + hi) // 2
+                first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+                if first_tile <= tile:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            req = lo - 1
+            q_start = tl.load(query_start_loc_ptr + req)
+            q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+            q_tile = tile - (q_start // BLOCK_Q + req)
         # Tiles past the request's tokens (the grid is an upper bound) see no keys, store nothing.
         seq_len = tl.where(q_tile * BLOCK_Q < q_len, tl.load(seq_lens_ptr + req), 0)
         context_len = seq_len - q_len  # tokens cached before this step's
@@ -205,6 +214,10 @@ def _num_splits(max_query_len: int, num_programs: int) -> int:
 
 # Decode tile shape; benchmarks/attention_configs.py times the alternatives.
 DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)
+# Decode steps start their programs longest context first (one argsort of seq_lens per step),
+# so a long row does not run alone at the end of the kernel. Off until measured on the H200
+# (benchmarks/attention_configs.py compares both orders).
+LONGEST_FIRST = False
 
 
 def _tile_config(max_query_len: int, group: int, head_size: int) -> dict:
@@ -245,15 +258,24 @@ def paged_attention(
     # Upper bound on tiles, from counts alone (see the module docstring).
     num_tiles = num_tokens // block_q + num_reqs
     num_splits = _num_splits(metadata.max_query_len, num_tiles * num_kv_heads)
+    longest_first = LONGEST_FIRST and metadata.max_query_len <= 1 and num_tokens == num_reqs
+    if longest_first:
+        if metadata.longest_first_order is None:  # once per forward pass; the other layers reuse it
+            metadata.longest_first_order = torch.argsort(metadata.seq_lens, descending=True).to(torch.int32)
+        order = metadata.longest_first_order
+        grid = (num_kv_heads, num_reqs, num_splits)
+    else:
+        order = metadata.seq_lens  # unused
+        grid = (num_tiles, num_kv_heads, num_splits)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     if num_splits > 1:
         part_acc = torch.empty(num_tokens * num_heads * num_splits, block_d, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(num_tokens * num_heads * num_splits, 2, dtype=torch.float32, device=query.device)
     else:
         part_acc = part_ml = out  # unused
-    _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
+    _paged_attention_kernel[grid](
         out, part_acc, part_ml,
-        query, k_cache, v_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
+        query, k_cache, v_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, order,
         scale * 1.4426950408889634, num_reqs, num_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_table.stride(0),
@@ -262,6 +284,7 @@ def paged_attention(
         # float32 models mean float32: Triton's default for fp32 dots is TF32 (10-bit mantissa), which
         # made a TP=2 float32 run differ from one GPU by ~1e-3 in the logits. None: Triton's default (bf16/fp16).
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+        LONGEST_FIRST=longest_first,
         **cfg,
     )
     if num_splits > 1:

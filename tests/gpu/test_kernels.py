@@ -92,7 +92,9 @@ def _random_batch(query_lens, seq_lens, num_kv_heads, head_size, block_size=16, 
     ],
 )
 @pytest.mark.parametrize("heads", [(16, 8, 128), (28, 4, 128), (8, 8, 64), (4, 2, 16)])
-def test_paged_attention(query_lens, seq_lens, heads):
+@pytest.mark.parametrize("longest_first", [False, True])  # decode steps: programs by context length, longest first
+def test_paged_attention(query_lens, seq_lens, heads, longest_first, monkeypatch):
+    monkeypatch.setattr(attention, "LONGEST_FIRST", longest_first)
     num_heads, num_kv_heads, head_size = heads
     md, kv = _random_batch(query_lens, seq_lens, num_kv_heads, head_size)
     q = torch.randn(sum(query_lens), num_heads, head_size, dtype=torch.bfloat16, device=DEV)
@@ -103,8 +105,10 @@ def test_paged_attention(query_lens, seq_lens, heads):
     assert rel_err(out, ref) < 2e-2
 
 
-def test_paged_attention_padding_rows_give_zeros():
+@pytest.mark.parametrize("longest_first", [False, True])
+def test_paged_attention_padding_rows_give_zeros(longest_first, monkeypatch):
     # A CUDA-graph bucket pads with rows of seq_len 0 and tokens past num_actual_tokens.
+    monkeypatch.setattr(attention, "LONGEST_FIRST", longest_first)
     md, kv = _random_batch([1, 1], [40, 7], 8, 128)
     md.query_start_loc = torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32, device=DEV)
     md.seq_lens = torch.tensor([40, 7, 0, 0], dtype=torch.int32, device=DEV)
