@@ -38,8 +38,10 @@ class StepInFlight:
     done: torch.cuda.Event | None = None  # recorded after the copies; None on CPU
     sample_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [S]
     sample_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [S]
-    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
-    routed_experts: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)
+    # Prompt logprobs and routed experts of this step, on their way to the host like the samples.
+    prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
+    routed_ids: torch.Tensor | None = None  # [T, num_moe_layers, top_k] int32 host copy
+    routed_rows: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # req -> (position, first, end)
 
 
 def forward_without_kv_writes(model: torch.nn.Module, device: torch.device, query_lens: list[int],
@@ -198,8 +200,8 @@ class ModelRunner:
 
         The step may launch before the previous one is finished: tokens that step samples are
         PLACEHOLDER in RequestState until finish_step(), and where this step reads them as input
-        they are taken from its device tensor. Prompt logprobs and routed experts are copied
-        here, synchronously (rare; they read this step's own buffers).
+        they are taken from its device tensor. Prompt logprobs and routed experts start their
+        copies here too, behind the same event.
         """
         self._update_states(sched)
         if sched.total_num_scheduled_tokens == 0:
@@ -208,8 +210,8 @@ class ModelRunner:
         fill = self._placeholder_fill(batch)
         routing_rows = self._set_routing_capture(batch)
         hidden = self._forward(batch, fill)  # [T, hidden]
-        step = StepInFlight(batch=batch, routed_experts=self._routed_experts(batch, routing_rows),
-                            prompt_logprobs=self._prompt_logprobs(batch, hidden))
+        step = StepInFlight(batch=batch, prompt_logprobs=self._prompt_logprobs(batch, hidden))
+        step.routed_ids, step.routed_rows = self._routed_experts(batch, routing_rows)
         if len(batch.sample_rows):
             logits_indices = self._h2d(torch.from_numpy(batch.logits_indices))
             logits = self.model.compute_logits(hidden[logits_indices])  # [S, V]: model dtype on GPU, float32 on CPU
@@ -222,12 +224,12 @@ class ModelRunner:
             step.sampled, step.sample_slots, step.sample_positions = out.sampled_token_ids, slots, positions
             step.host_sampled = to_host(out.sampled_token_ids)
             if out.logprobs is not None:
-                lp = out.logprobs
-                step.host_logprobs = LogprobsTensors(to_host(lp.token_ids), to_host(lp.logprobs), to_host(lp.ranks))
+                step.host_logprobs = _logprobs_to_host(out.logprobs)
                 step.logprob_counts = [self.state.sampling_params[s].logprobs for s in slots.tolist()]
-            if self.device.type == "cuda":
-                step.done = torch.cuda.Event()
-                step.done.record()
+        if self.device.type == "cuda" and (step.host_sampled is not None or step.prompt_logprobs
+                                           or step.routed_ids is not None):
+            step.done = torch.cuda.Event()
+            step.done.record()
         self._in_flight = step
         return step
 
@@ -240,9 +242,9 @@ class ModelRunner:
             return ModelRunnerOutput.empty()
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
         row_logprobs: list[LogprobsLists | None] | None = None
+        if step.done is not None:
+            step.done.synchronize()  # the step's one wait for the device
         if step.host_sampled is not None:
-            if step.done is not None:
-                step.done.synchronize()  # the step's one wait for the device
             token_ids = step.host_sampled.tolist()
             st = self.state
             for i, row in enumerate(batch.sample_rows.tolist()):
@@ -257,8 +259,8 @@ class ModelRunner:
             req_ids=batch.req_ids,
             sampled_token_ids=sampled,
             logprobs=row_logprobs,
-            prompt_logprobs=step.prompt_logprobs,
-            routed_experts=step.routed_experts,
+            prompt_logprobs={req_id: lp.to_lists() for req_id, lp in step.prompt_logprobs.items()},
+            routed_experts=self._routed_expert_lists(step),
         )
 
     @torch.inference_mode()
@@ -283,24 +285,33 @@ class ModelRunner:
             self._capturing_routing = bool(rows)
         return rows
 
-    def _routed_experts(self, batch: InputBatch, rows: list[int]) -> dict[str, tuple[int, np.ndarray]]:
-        """Each requesting row's slice of the step's routing: its tokens are contiguous in the batch.
+    def _routed_experts(
+        self, batch: InputBatch, rows: list[int]
+    ) -> tuple[torch.Tensor | None, dict[str, tuple[int, int, int]]]:
+        """Starts copying the step's routing to the host; and each requesting row's slice of it, as
+        (position of its first token, first, end): a row's tokens are contiguous in the batch.
 
             tokens:   | row 0 | row 1 ........ | row 2 |     ids [T, layers, k]
                               ^ query_start_loc[1], at position seq_lens[1] - num_scheduled_tokens[1]
         """
         if not rows:
-            return {}
+            return None, {}
         ids = self.model.routed_expert_ids()  # [T, num_moe_layers, top_k] int32
         if ids is None:
-            return {}
-        ids = ids.cpu().numpy()
-        out: dict[str, tuple[int, np.ndarray]] = {}
+            return None, {}
+        slices = {}
         for row in rows:
             first, end = int(batch.query_start_loc[row]), int(batch.query_start_loc[row + 1])
-            start_pos = int(batch.seq_lens[row] - batch.num_scheduled_tokens[row])
-            out[batch.req_ids[row]] = (start_pos, ids[first:end])
-        return out
+            slices[batch.req_ids[row]] = (int(batch.seq_lens[row] - batch.num_scheduled_tokens[row]), first, end)
+        return to_host(ids), slices
+
+    @staticmethod
+    def _routed_expert_lists(step: StepInFlight) -> dict[str, tuple[int, np.ndarray]]:
+        """The finished step's routing per requesting request: (position of its first token, ids [n, layers, k])."""
+        if step.routed_ids is None:
+            return {}
+        ids = step.routed_ids.numpy()
+        return {req_id: (pos, ids[first:end]) for req_id, (pos, first, end) in step.routed_rows.items()}
 
     # ---- sampling inputs ------------------------------------------------------------------
 
@@ -394,9 +405,10 @@ class ModelRunner:
 
     # ---- prompt logprobs ------------------------------------------------------------------
 
-    def _prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
-        """Logprobs of prompt tokens 1..P-1 covered by this step (hidden at p predicts p+1)."""
-        out: dict[str, LogprobsLists] = {}
+    def _prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor) -> dict[str, LogprobsTensors]:
+        """Logprobs of prompt tokens 1..P-1 covered by this step (hidden at p predicts p+1), on their way
+        to the host."""
+        out: dict[str, LogprobsTensors] = {}
         st = self.state
         for row, slot in enumerate(batch.slots.tolist()):
             sp = st.sampling_params[slot]
@@ -408,7 +420,12 @@ class ModelRunner:
                 continue
             first = int(batch.query_start_loc[row])
             logits = self.model.compute_logits(hidden[first : first + end - start]).float()  # [n, V] float32
-            targets = torch.from_numpy(st.token_ids[slot, start + 1 : end + 1]).to(self.device)
+            targets = self._h2d(torch.from_numpy(st.token_ids[slot, start + 1 : end + 1]))
             lp = gather_logprobs(torch.log_softmax(logits, dim=-1), targets, sp.prompt_logprobs)
-            out[batch.req_ids[row]] = lp.to_lists()
+            out[batch.req_ids[row]] = _logprobs_to_host(lp)
         return out
+
+
+def _logprobs_to_host(lp: LogprobsTensors) -> LogprobsTensors:
+    """Starts the copies of logprob tensors to the host (see host_copy.to_host)."""
+    return LogprobsTensors(to_host(lp.token_ids), to_host(lp.logprobs), to_host(lp.ranks))
