@@ -44,6 +44,8 @@ class SamplingMetadata:
     # Largest top-k logprobs any row asked for; None when no row wants logprobs.
     max_num_logprobs: int | None = None
     logprobs_mode: LogprobsMode = "raw_logprobs"
+    # The largest value in top_k, known on the host: top-k then needs no device sync. None: read from top_k.
+    max_top_k: int | None = None
 
     @property
     def no_penalties(self) -> bool:

@@ -136,7 +136,7 @@ class Sampler:
                 min_p = None if min_p is None else min_p.to(logits.device).masked_fill(greedy_mask, 0.0)
             if not scaled:
                 apply_temperature(logits, temperature, greedy_mask)
-            apply_top_k_top_p(logits, top_k, top_p)
+            apply_top_k_top_p(logits, top_k, top_p, md.max_top_k)
             if min_p is not None:
                 apply_min_p(logits, min_p)
 

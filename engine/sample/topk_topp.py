@@ -37,6 +37,7 @@ def apply_top_k_top_p(
     logits: torch.Tensor,  # [B, V]
     top_k: torch.Tensor | None,  # [B] int64; <= 0 or >= V = off
     top_p: torch.Tensor | None,  # [B] float32; >= 1.0 = off
+    max_top_k: int | None = None,  # an upper bound of top_k known on the host (None: read from top_k)
 ) -> torch.Tensor:
     """Masks to -inf every token outside the row's top-k, then outside its top-p nucleus (in place).
 
@@ -50,8 +51,9 @@ def apply_top_k_top_p(
         p (tokens tied with that boundary token are all kept). With top-k on, the mass is
         summed over the same top-k candidates; otherwise over the row's top 1024 values,
         and a sort of only the rows whose nucleus is wider.
-    Rows with both features off are returned bit-identical. Costs a few host syncs per call
-    (candidate counts), only when some row uses top-k or top-p.
+    Rows with both features off are returned bit-identical. Top-k alone syncs with the device
+    only without max_top_k; top-p costs a few host syncs per call (which rows its candidates
+    settle).
     """
     if top_k is None and top_p is None:
         return logits
@@ -60,7 +62,9 @@ def apply_top_k_top_p(
     if top_k is not None:
         k = top_k.to(device=logits.device, dtype=torch.int64)  # [B]
         k = torch.where((k <= 0) | (k >= vocab_size), 0, k)  # 0 = off
-        k = k if bool((k > 0).any()) else None
+        if max_top_k is None:
+            max_top_k = int(k.max())
+        k = k if 0 < max_top_k else None  # rows at 0 keep every token; an upper bound only costs candidates
     if top_p is not None:
         p = top_p.to(device=logits.device, dtype=torch.float32)  # [B]
         p = p if bool((p < 1.0).any()) else None
@@ -71,7 +75,7 @@ def apply_top_k_top_p(
     p_slow = None if p is None else p < 1.0  # [B]: top-p rows not settled on the top-k candidates
     if k is not None:
         # One extra candidate tells whether ties of the k-th value reach beyond the candidates.
-        num_candidates = min(vocab_size, int(k.max()) + 1)
+        num_candidates = min(vocab_size, max_top_k + 1)
         cand = logits.topk(num_candidates, dim=-1, sorted=True).values  # [B, K], descending
         kth = cand.gather(1, (k - 1).clamp_min(0).unsqueeze(1))  # [B, 1]
         threshold = kth.masked_fill_((k == 0).unsqueeze(1), _NEG_INF)  # rows with top-k off keep all
@@ -91,7 +95,7 @@ def apply_top_k_top_p(
         if k is not None:
             sub.masked_fill_(sub < sub_threshold, _NEG_INF)  # top-k first (final mask below repeats it)
         sub_k = None if k is None else (k if rows is None else k[rows])
-        p_threshold = _top_p_threshold(sub, p if rows is None else p[rows], sub_k)  # [R, 1]
+        p_threshold = _top_p_threshold(sub, p if rows is None else p[rows], sub_k, max_top_k)  # [R, 1]
         if rows is None:
             threshold = torch.maximum(threshold, p_threshold)
         else:
@@ -115,8 +119,11 @@ def _nucleus_threshold(cand: torch.Tensor, lse: torch.Tensor, p: torch.Tensor) -
     return torch.where(found, cand.gather(1, boundary.clamp_max(cand.shape[1] - 1)), _NEG_INF)
 
 
-def _top_p_threshold(logits: torch.Tensor, p: torch.Tensor, k: torch.Tensor | None) -> torch.Tensor:
-    """Top-p boundary value ([R, 1]) of rows that all have p < 1; k ([R] int64, 0 = off) sizes the candidates.
+def _top_p_threshold(
+    logits: torch.Tensor, p: torch.Tensor, k: torch.Tensor | None, max_k: int | None = None
+) -> torch.Tensor:
+    """Top-p boundary value ([R, 1]) of rows that all have p < 1; k ([R] int64, 0 = off; max_k bounds
+    it) sizes the candidates.
 
     Candidates are each row's top K values and the normalizer is the logsumexp of the whole
     row, so a row is settled once its candidates reach mass p. Rows still unsettled are
@@ -127,7 +134,7 @@ def _top_p_threshold(logits: torch.Tensor, p: torch.Tensor, k: torch.Tensor | No
     lse = logits.logsumexp(dim=-1, keepdim=True)  # [R, 1]
     num_candidates = _TOP_P_FIRST_CANDIDATES
     if k is not None:
-        num_candidates = max(num_candidates, int(k.max()) + 1)
+        num_candidates = max(num_candidates, (int(k.max()) if max_k is None else max_k) + 1)
     if num_candidates >= _SORT_FRACTION * vocab_size:
         return _nucleus_threshold(logits.sort(dim=-1, descending=True).values, lse, p)
     threshold = _nucleus_threshold(logits.topk(num_candidates, dim=-1, sorted=True).values, lse, p)  # [R, 1]

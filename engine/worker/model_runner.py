@@ -367,11 +367,12 @@ class ModelRunner:
             allowed_mask = self._h2d(allowed_mask)
 
         wanted = [sp.logprobs for sp in params if sp.logprobs is not None]
+        top_k = column(st.top_k, 0)
         return SamplingMetadata(
             temperature=self._h2d(temperature),
             all_greedy=bool(greedy.all()),
             all_random=not bool(greedy.any()),
-            top_k=column(st.top_k, 0),
+            top_k=top_k,
             top_p=column(st.top_p, 1.0),
             min_p=column(st.min_p, 0.0),
             generators=generators,
@@ -388,6 +389,7 @@ class ModelRunner:
             allowed_token_ids_mask=allowed_mask,
             max_num_logprobs=max(wanted) if wanted else None,
             logprobs_mode=self.logprobs_mode,
+            max_top_k=int(st.top_k[slots_t].max()) if top_k is not None else None,
         )
 
     @staticmethod

@@ -145,3 +145,17 @@ def test_sampler_top_k_top_p_rows_match_sort_reference_in_a_mixed_batch():
         new = torch.isfinite(apply_top_k_top_p(logits.clone(), k, p))
         ref = torch.isfinite(apply_top_k_top_p_sort(logits.clone(), k, p))
         assert torch.equal(new, ref)
+
+
+@pytest.mark.parametrize("vocab,scale,ties", [(1000, 1.0, False), (3000, 1.5, True), (151936, 0.7, False)])
+def test_a_host_upper_bound_of_k_gives_the_same_mask(vocab, scale, ties):
+    """The model runner passes the batch's largest k from the host (no device sync); any upper bound,
+    even one at or past the vocabulary, masks exactly what reading k from the tensor does."""
+    logits, top_k, top_p = _random_case(11, 24, vocab, scale, ties=ties)
+    clamped = torch.where((top_k <= 0) | (top_k >= vocab), 0, top_k)
+    for p in (None, top_p):
+        expected = apply_top_k_top_p(logits.clone(), top_k, p)
+        for bound in (int(clamped.max()), int(clamped.max()) + 3, vocab + 7):
+            assert torch.equal(apply_top_k_top_p(logits.clone(), top_k, p, max_top_k=bound), expected)
+    off = torch.zeros_like(top_k)  # every row's top-k off: an upper bound of 0 skips top-k
+    assert torch.equal(apply_top_k_top_p(logits.clone(), off, None, max_top_k=0), logits)
