@@ -63,20 +63,9 @@ def test_qk_norm_rope_dispatch_and_override():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_qwen3_attention_fused_matches_unfused(tiny_checkpoint, dtype):
     """Qwen3Attention's fused pre-processing gives what q_norm, k_norm, rotary_emb give (the old path)."""
-    from engine.models.loader import load_hf_config, load_model
+    from tests.models.test_qk_norm_rope import qwen3_fused_and_unfused
 
-    path = tiny_checkpoint("qwen3")
-    model = load_model(path, load_hf_config(path), dtype, torch.device(DEV), "auto")
-    attn = model.model.layers[0].self_attn
-    T = 13
-    hidden = torch.randn(T, model.config.hidden_size, dtype=dtype, device=DEV)
-    positions = torch.arange(100, 100 + T, device=DEV)
-    with torch.inference_mode():
-        q, k, _ = attn.qkv_proj(hidden).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        nq = attn.q_norm(q.reshape(T, attn.num_heads, attn.head_dim)).view(T, -1)
-        nk = attn.k_norm(k.reshape(T, attn.num_kv_heads, attn.head_dim)).view(T, -1)
-        rq, rk = attn.rotary_emb(positions, nq, nk)
-        oq, ok = attn._qk_rope(positions, q, k)
+    (oq, ok), (rq, rk) = qwen3_fused_and_unfused(tiny_checkpoint("qwen3"), dtype, DEV, 13, 100)
     tol = {"rtol": 1.6e-2, "atol": 1.6e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
     torch.testing.assert_close(oq.float(), rq.float(), **tol)
     torch.testing.assert_close(ok.float(), rk.float(), **tol)

@@ -38,21 +38,27 @@ def test_reference_is_the_unfused_ops(dtype):
     assert torch.equal(oq, rq) and torch.equal(ok, rk)
 
 
-def test_qwen3_attention_cpu_path_is_the_unfused_modules(tiny_checkpoint):
+def qwen3_fused_and_unfused(path: str, dtype: torch.dtype, device: str, num_tokens: int, first_position: int):
+    """Layer 0 of the tiny Qwen3 on random hidden states: (q, k) from Qwen3Attention._qk_rope, and
+    (q, k) from q_norm, k_norm, then rotary_emb (the unfused modules)."""
     from engine.models.loader import load_hf_config, load_model
 
-    path = tiny_checkpoint("qwen3")
-    model = load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"), "auto")
+    model = load_model(path, load_hf_config(path), dtype, torch.device(device), "auto")
     attn = model.model.layers[0].self_attn
-    T = 5
-    hidden = torch.randn(T, model.config.hidden_size)
-    positions = torch.arange(3, 3 + T)
+    T = num_tokens
+    hidden = torch.randn(T, model.config.hidden_size, dtype=dtype, device=device)
+    positions = torch.arange(first_position, first_position + T, device=device)
     with torch.inference_mode():
         q, k, _ = attn.qkv_proj(hidden).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         nq = attn.q_norm(q.reshape(T, attn.num_heads, attn.head_dim)).view(T, -1)
         nk = attn.k_norm(k.reshape(T, attn.num_kv_heads, attn.head_dim)).view(T, -1)
-        rq, rk = attn.rotary_emb(positions, nq, nk)
-        oq, ok = attn._qk_rope(positions, q, k)
+        unfused = attn.rotary_emb(positions, nq, nk)
+        fused = attn._qk_rope(positions, q, k)
+    return fused, unfused
+
+
+def test_qwen3_attention_cpu_path_is_the_unfused_modules(tiny_checkpoint):
+    (oq, ok), (rq, rk) = qwen3_fused_and_unfused(tiny_checkpoint("qwen3"), torch.float32, "cpu", 5, 3)
     assert torch.equal(oq, rq) and torch.equal(ok, rk)
 
 
