@@ -215,6 +215,7 @@ def main() -> None:
         "output_tok_per_s": ours["output_tok_per_s"],
     }
     rows = [("ours", ours)]
+    print(f"ours: {ours['output_tok_per_s']:.1f} output tok/s in {ours['elapsed_s']:.2f} s", flush=True)  # before HF's slow run
     if not args.skip_hf:
         dtype = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16,
                  "torch.float16": torch.float16}[ours["dtype"]]
