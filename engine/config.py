@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -242,6 +243,73 @@ class FaultToleranceConfig:
             raise ValueError(f"weight_update_rollback must be one of device, cpu, none; got {self.weight_update_rollback!r}")
 
 
+SpecMethod = Literal["ngram", "draft_model"]
+_SPEC_KEYS = {
+    "ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"},
+    "draft_model": {"method", "num_speculative_tokens", "model", "attention_backend"},
+}
+
+
+@dataclass(frozen=True)
+class SpecDecodeSettings:
+    """A validated speculative_config: which speculator proposes how many tokens per step."""
+
+    method: SpecMethod
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1  # ngram: shortest suffix looked up in the request's own tokens
+    prompt_lookup_max: int = 3  # ngram: longest suffix looked up (tried first)
+    model: str | None = None  # draft_model: checkpoint directory (same tokenizer as the target)
+    attention_backend: str | None = None  # draft_model: engine.attention backend for its layers; None: the target's
+
+
+def parse_speculative_config(raw: dict | None) -> SpecDecodeSettings | None:
+    """The speculative_config dict (vLLM's keys) as settings, or ValueError naming the bad key or value."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError(f"speculative_config must be a dict (JSON object), got {type(raw).__name__}")
+    method = raw.get("method")
+    if method not in _SPEC_KEYS:
+        raise ValueError(f"speculative_config: method must be one of {sorted(_SPEC_KEYS)}, got {method!r}")
+    unknown = sorted(set(raw) - _SPEC_KEYS[method])
+    if unknown:
+        raise ValueError(f"speculative_config: unknown keys for method {method!r}: {unknown}")
+    k = raw.get("num_speculative_tokens")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
+        raise ValueError(f"speculative_config: num_speculative_tokens must be an int in [1, 16], got {k!r}")
+    settings = SpecDecodeSettings(method=method, num_speculative_tokens=k)
+    if method == "ngram":
+        lo, hi = raw.get("prompt_lookup_min", 1), raw.get("prompt_lookup_max", 3)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or not 1 <= lo <= hi:
+            raise ValueError(
+                f"speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max (ints), got {lo!r} and {hi!r}"
+            )
+        return dataclasses.replace(settings, prompt_lookup_min=lo, prompt_lookup_max=hi)
+    model = raw.get("model")
+    if not isinstance(model, str) or not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"speculative_config: model must be a checkpoint directory with a config.json, got {model!r}")
+    backend = raw.get("attention_backend")
+    if backend is not None:
+        from engine.attention.layer import ATTENTION_BACKENDS
+
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"speculative_config: attention_backend must be one of {sorted(ATTENTION_BACKENDS)}, got {backend!r}"
+            )
+    return dataclasses.replace(settings, model=model, attention_backend=backend)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: a speculator proposes tokens and the model verifies them in one step."""
+
+    speculative_config: dict | None = None
+    """Off when unset. As in vLLM: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3} or {"method": "draft_model", "model": DIR, "num_speculative_tokens": 4, "attention_backend": "triton"} (JSON on the command line). Outputs follow the model's distribution exactly; steps run without a step in flight."""
+
+    def __post_init__(self) -> None:
+        self.settings = parse_speculative_config(self.speculative_config)
+
+
 @dataclass
 class EngineConfig:
     """Everything one engine needs; built once and shared read-only by its parts."""
@@ -254,6 +322,7 @@ class EngineConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 # The sections of EngineConfig, in --help order; their field names are unique across
@@ -267,6 +336,7 @@ ENGINE_CONFIG_SECTIONS: dict[str, type] = {
     "admission": AdmissionConfig,
     "observability": ObservabilityConfig,
     "fault_tolerance": FaultToleranceConfig,
+    "speculative": SpeculativeConfig,
 }
 
 

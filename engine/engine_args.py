@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Any
 
 from engine.config import ENGINE_CONFIG_SECTIONS, EngineConfig
@@ -54,6 +56,18 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
             f"which runs with tensor_parallel_size 1 only (shard its experts with enable_expert_parallel over "
             f"data_parallel_size engines instead); got {tp_size}"
         )
+    spec = built["speculative"].settings
+    if spec is not None:
+        if tp_size > 1:
+            raise ValueError(f"speculative_config: speculative decoding runs with tensor_parallel_size 1 only, got {tp_size}")
+        if spec.model is not None:
+            with open(os.path.join(spec.model, "config.json")) as f:
+                draft_vocab = json.load(f).get("vocab_size")
+            if draft_vocab != hf_config.get("vocab_size"):
+                raise ValueError(
+                    f"speculative_config: the draft model's vocab_size ({draft_vocab}) differs from the model's "
+                    f"({hf_config.get('vocab_size')}); a draft model must share the model's tokenizer"
+                )
     return EngineConfig(**built)
 
 

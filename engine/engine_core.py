@@ -48,7 +48,8 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()  # no worker processes outlive a failed start
             raise
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, self.num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, self.num_blocks,
+                                   config.speculative.settings)
         self._fault_pending = False  # tests only: inject_fault() makes the next step raise
         # RL control plane (see "pause / sleep" below); the scheduler holds the resulting PauseState.
         self._pause_mode: str | None = None  # a PauseMode while paused
@@ -67,8 +68,10 @@ class EngineCore:
         # Async scheduling: the step launched last, whose outputs the next step() collects
         # after launching its own (so the host schedules while the device computes).
         lockstep = config.parallel.enable_expert_parallel and config.parallel.data_parallel_size > 1
+        # Speculative steps run synchronously: the next step's drafts are proposed from this step's
+        # verified tokens, so there is nothing to schedule before they are known.
         self.async_scheduling = (config.scheduler.async_scheduling and self.executor.supports_async_steps
-                                 and not lockstep)
+                                 and not lockstep and config.speculative.settings is None)
         self._in_flight: tuple[SchedulerOutput, Any] | None = None
         # Outputs of a step collected by drain(), stamped with the weights that computed them;
         # the next step() returns them before anything else.
@@ -318,7 +321,8 @@ class EngineCore:
         self._fault_pending = False
         self._in_flight = self._drained = None  # their requests are failed with the rest
         self.executor.reset_requests()
-        self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.max_model_len, self.num_blocks)
+        self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.max_model_len, self.num_blocks,
+                                   self.config.speculative.settings)
         self._pending_outputs = []  # their requests were failed with the rest
         self._apply_pause_state()  # a pause or sleep outlives the rebuilt scheduler
 

@@ -7,6 +7,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import json
 import textwrap
 import types
 import typing
@@ -76,7 +77,20 @@ def _argument_spec(name: str, tp: Any) -> dict[str, Any]:
         return {"nargs": "*", "type": item, "metavar": name.upper()}
     if tp in (int, float, str):
         return {"type": tp, "metavar": tp.__name__.upper()}
+    if tp is dict or origin is dict:
+        return {"type": _json_object, "metavar": "JSON"}
     raise TypeError(f"{name}: no CLI mapping for type {tp!r}; extend rollout.cli_args._argument_spec")
+
+
+def _json_object(text: str) -> dict:
+    """A dict flag's value: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def add_dataclass_arguments(

@@ -101,18 +101,22 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> KVCacheBlocks | None:
         """Gives `request` blocks for num_computed_tokens + num_new_computed_tokens +
-        num_new_tokens tokens, taking the prefix-hit blocks first. Returns the blocks
-        appended this call, or None (and changes nothing) when too few blocks are free."""
+        num_new_tokens tokens, plus num_lookahead_tokens slots after them (a draft model's KV;
+        they never enter the prefix cache), taking the prefix-hit blocks first. Returns the
+        blocks appended this call, or None (and changes nothing) when too few blocks are free."""
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         req_blocks = self.req_to_blocks.get(request.request_id)
-        if new_computed_blocks is None and req_blocks is not None and len(req_blocks) * self.block_size >= num_tokens:
+        num_slots = num_tokens + num_lookahead_tokens
+        if new_computed_blocks is None and req_blocks is not None and len(req_blocks) * self.block_size >= num_slots:
             # The common decode step: its tokens fit in the blocks it holds, so nothing is taken
             # (the general path below would take zero blocks and return an empty result too).
             self._cache_full_blocks(request, req_blocks, num_tokens)
             return _NO_BLOCKS
-        num_new_blocks = self._num_blocks_needed(request, num_new_tokens, new_computed_blocks, num_new_computed_tokens)
+        num_new_blocks = self._num_blocks_needed(request, num_new_tokens + num_lookahead_tokens, new_computed_blocks,
+                                                 num_new_computed_tokens)
         if num_new_blocks is None:
             return None
         hit_blocks = new_computed_blocks.blocks if new_computed_blocks is not None else ()

@@ -76,6 +76,9 @@ class Request:
         # yet reported (numpy [n, layers, k] arrays, e.g. mid-prompt chunks) waits here.
         self.num_routed_tokens = 0
         self.pending_routed_experts: list = []
+        # Speculative decoding: tokens the speculator proposed after this request's last step, to be
+        # verified by its next one (the scheduler may schedule fewer).
+        self.spec_token_ids: list[int] = []
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> "Request":

@@ -43,6 +43,9 @@ class SchedulerOutput:
     # preempted since the previous step (a preempted request comes back as new).
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Speculative decoding: the draft tokens a request's step verifies; they are the last
+    # len(drafts) of its num_scheduled_tokens, after its last known token.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -10,12 +10,12 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import CacheConfig, SchedulerConfig, SpecDecodeSettings
 from engine.control import PauseState
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from engine.core.stats import SchedulerStats, StepWork
+from engine.core.stats import SchedulerStats, SpecDecodingStats, StepWork
 from engine.exceptions import EngineNotReadyError
 from engine.sampling_params import RepetitionDetectionParams
 from engine.wire import EngineCoreOutput, EngineCoreOutputs
@@ -116,6 +116,13 @@ class Scheduler:
     Default budget when max_num_batched_tokens is None: max(2048, max_num_seqs) with
     chunked prefill, and at least max_model_len without it (a whole prompt must fit).
 
+    Speculative decoding (spec): a running request's spec_token_ids (proposed after its last
+    step) are owed too, after its last known token, and a step verifies them: the row's
+    num_computed_tokens advances over them when scheduled and goes back by the rejected ones
+    when the output comes (the KV at rejected positions is simply overwritten later). A draft
+    model also writes its own KV a few positions ahead: those lookahead slots are allocated
+    with the step but never cached. Speculative steps run without a step in flight.
+
     Pause states (set_pause_state): PAUSED_NEW refuses new requests but schedules everything
     already admitted (waiting and preempted ones too, so a wait-mode pause drains);
     PAUSED_ALL schedules nothing and queues new requests, so a request stops exactly between
@@ -123,7 +130,8 @@ class Scheduler:
     """
 
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, max_model_len: int, num_blocks: int
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, max_model_len: int, num_blocks: int,
+        spec: SpecDecodeSettings | None = None,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_model_len = max_model_len
@@ -160,6 +168,11 @@ class Scheduler:
         self.num_preemptions_since_stats = 0
         self.step_work_since_stats = StepWork()
         self.pause_state = PauseState.UNPAUSED
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        # A draft model writes its KV up to num_spec_tokens positions past a step's last token.
+        self.num_lookahead_tokens = self.num_spec_tokens if spec is not None and spec.method == "draft_model" else 0
+        self.spec_stats = SpecDecodingStats(self.num_spec_tokens) if spec is not None else None
+        self.spec_totals = SpecDecodingStats(self.num_spec_tokens) if spec is not None else None  # never reset
 
     # ---- requests in and out ----
 
@@ -214,6 +227,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         token_budget = self.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
         new_block_ids: dict[str, list[int]] = {}  # running requests: blocks appended this step
         scheduled_new: list[Request] = []
         preempted_req_ids: set[str] = set()
@@ -222,15 +236,17 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
+            drafts = self._schedulable_drafts(request)
             num_new = min(
-                request.num_tokens_with_placeholders - request.num_computed_tokens,
+                request.num_tokens_with_placeholders + len(drafts) - request.num_computed_tokens,
                 token_budget,
                 self.max_model_len - request.num_computed_tokens,
             )
             if num_new <= 0 or self._ends_in_flight(request):  # nothing to compute before its samples come back
                 req_index += 1
                 continue
-            while (blocks := kv.allocate_slots(request, num_new)) is None:
+            lookahead = self._lookahead(request.num_computed_tokens + num_new)
+            while (blocks := kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)) is None:
                 victim = self.waiting.preemption_victim(self.running)
                 victim_index = self.running.index(victim)
                 del self.running[victim_index]
@@ -238,6 +254,7 @@ class Scheduler:
                     req_index -= 1
                     token_budget += num_scheduled_tokens.pop(victim.request_id, 0)
                     new_block_ids.pop(victim.request_id, None)
+                    spec_tokens.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted_req_ids.add(victim.request_id)
                 if victim is request:
@@ -246,6 +263,9 @@ class Scheduler:
                 continue
             num_scheduled_tokens[request.request_id] = num_new
             new_block_ids[request.request_id] = blocks.get_block_ids()
+            num_drafts = request.num_computed_tokens + num_new - request.num_tokens  # the budget may cut drafts
+            if drafts and num_drafts > 0:
+                spec_tokens[request.request_id] = drafts[:num_drafts]
             token_budget -= num_new
             req_index += 1
 
@@ -257,7 +277,8 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new > token_budget:
                 break
             num_new = min(num_new, token_budget)
-            if kv.allocate_slots(request, num_new, hit_blocks, num_hit_tokens) is None:
+            lookahead = self._lookahead(num_hit_tokens + num_new)
+            if kv.allocate_slots(request, num_new, hit_blocks, num_hit_tokens, num_lookahead_tokens=lookahead) is None:
                 break
             self.waiting.pop()
             self.running.append(request)
@@ -318,10 +339,24 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted_req_ids | self.requeued_req_ids,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self.finished_req_ids = set()
         self.requeued_req_ids = set()
         return output
+
+    @staticmethod
+    def _schedulable_drafts(request: Request) -> list[int]:
+        """The request's proposed tokens that may be verified: none past max_tokens (the step also
+        samples one token of its own)."""
+        drafts = request.spec_token_ids
+        if drafts and request.max_tokens is not None:
+            drafts = drafts[: max(0, request.max_tokens - request.num_output_tokens - 1)]
+        return drafts
+
+    def _lookahead(self, num_tokens_after_step: int) -> int:
+        """Slots past a step's last token for the draft model's KV; none past max_model_len."""
+        return min(self.num_lookahead_tokens, self.max_model_len - num_tokens_after_step)
 
     def _ends_in_flight(self, request: Request) -> bool:
         """Whether the tokens already being sampled for it reach max_tokens or max_model_len."""
@@ -346,6 +381,7 @@ class Scheduler:
         self.history_req_ids.discard(request.request_id)
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # an in-flight sample of it is dropped; it samples again
+        request.spec_token_ids = []
         self.waiting.add_preempted(request)
 
     def recompute_running(self) -> list[str]:
@@ -371,6 +407,8 @@ class Scheduler:
         # Usually empty: skip their per-row lookups.
         all_prompt_logprobs = model_runner_output.prompt_logprobs
         all_routed = model_runner_output.routed_experts
+        all_spec = model_runner_output.spec_token_ids
+        scheduled_spec = scheduler_output.scheduled_spec_decode_tokens
         for row, req_id in enumerate(model_runner_output.req_ids):
             request = self.requests.get(req_id)
             # Finished, aborted or preempted since the step was scheduled: drop its results
@@ -380,6 +418,15 @@ class Scheduler:
             new_token_ids = model_runner_output.sampled_token_ids[row]
             if new_token_ids:
                 request.num_output_placeholders -= 1
+                drafts = scheduled_spec.get(req_id) if scheduled_spec else None
+                if drafts:
+                    # The first len(new) - 1 drafts were accepted; the KV of the rest is recomputed later.
+                    num_accepted = len(new_token_ids) - 1
+                    request.num_computed_tokens -= len(drafts) - num_accepted
+                    self.spec_stats.observe(len(drafts), num_accepted)
+                    self.spec_totals.observe(len(drafts), num_accepted)
+            if all_spec is not None:
+                request.spec_token_ids = all_spec[row]
             prompt_logprobs = all_prompt_logprobs.get(req_id) if all_prompt_logprobs else None
             if all_routed and (routed := all_routed.get(req_id)) is not None:
                 _collect_routed_experts(request, *routed)
@@ -457,7 +504,10 @@ class Scheduler:
             step_num_preemptions=self.num_preemptions_since_stats,
             step_work=self.step_work_since_stats,
             pause_state=int(self.pause_state),
+            spec_decoding=self.spec_stats,
         )
+        if self.spec_stats is not None:
+            self.spec_stats = SpecDecodingStats(self.num_spec_tokens)
         self.num_preemptions_since_stats = 0
         self.step_work_since_stats = StepWork()
         return stats

@@ -54,6 +54,29 @@ class StepWork:
 
 
 @dataclass
+class SpecDecodingStats:
+    """Speculative decoding since the last stats: how many proposed tokens the model accepted."""
+
+    num_spec_tokens: int  # the speculator's tokens per step (num_speculative_tokens)
+    num_drafts: int = 0  # request steps that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # [num_spec_tokens]: accepted drafts at each draft position (position 0 first).
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.num_accepted_tokens_per_pos:
+            self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for i in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+
+@dataclass
 class SchedulerStats:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -67,3 +90,4 @@ class SchedulerStats:
     # The level of the last sleep() while any part is still asleep, else 0 (sleep(0) shows as
     # pause_state 2 only: memory stays where it is).
     sleep_level: int = 0
+    spec_decoding: SpecDecodingStats | None = None  # since the last stats; None without a speculator

@@ -19,6 +19,8 @@ from engine.worker.input_batch import InputBatch, make_input_batch
 from engine.worker.model_state import model_state_for
 from engine.worker.request_state import RequestState
 from engine.worker.runner_output import ModelRunnerOutput
+from engine.worker.spec_decode.proposer import Proposer, VerifiedStep
+from engine.worker.spec_decode.verify import accepted_tokens
 
 # A token id the host does not know yet: sampled by the step in flight. The next step's input
 # at its position is filled in on the device from that step's sampled ids (launch_step).
@@ -42,6 +44,11 @@ class StepInFlight:
     prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
     routed_ids: torch.Tensor | None = None  # [T, num_moe_layers, top_k] int32 host copy
     routed_rows: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # req -> (position, first, end)
+    # A speculative step's results, settled at launch (such steps are synchronous): per row the tokens
+    # it emits, their logprobs, and the drafts proposed for its next step.
+    spec_sampled: list[list[int]] | None = None
+    spec_logprobs: list[LogprobsLists | None] | None = None
+    spec_drafts: list[list[int]] | None = None
 
 
 def forward_without_kv_writes(model: torch.nn.Module, device: torch.device, query_lens: list[int],
@@ -109,6 +116,13 @@ class ModelRunner:
         # The last launched step until finish_step() collects it (async scheduling: the next
         # step may launch first, reading its sampled ids on the device).
         self._in_flight: StepInFlight | None = None
+        # Speculative decoding (set_speculator): proposes drafts after each step; steps verify them.
+        self.speculator: Proposer | None = None
+        self.num_spec_tokens = 0
+
+    def set_speculator(self, speculator: Proposer, num_spec_tokens: int) -> None:
+        self.speculator = speculator
+        self.num_spec_tokens = num_spec_tokens
 
     def capture_cuda_graphs(self) -> None:
         """Captures the decode graphs, unless on CPU, enforce_eager, or the attention backend or the model can't replay."""
@@ -121,7 +135,7 @@ class ModelRunner:
         if not getattr(self.model, "supports_cuda_graphs", True):  # e.g. a model whose layers sync with the host
             return
         graphs = CudaGraphRunner(self.model, self.device, self.config.scheduler.max_num_seqs,
-                                 self.max_num_blocks_per_req)
+                                 self.max_num_blocks_per_req, max_verify_len=self.num_spec_tokens + 1)
         graphs.capture()
         self.cuda_graphs = graphs
 
@@ -179,6 +193,11 @@ class ModelRunner:
             self.state.num_computed_tokens[slot] = num_computed
             if new_block_ids:
                 self.state.append_block_ids(slot, new_block_ids)
+        # Drafts sit after the last known token, as this step's inputs; num_tokens stays until verified.
+        for req_id, drafts in sched.scheduled_spec_decode_tokens.items():
+            slot = self.state.req_id_to_slot[req_id]
+            n = int(self.state.num_tokens[slot])
+            self.state.token_ids[slot, n : n + len(drafts)] = drafts
 
     def reset_requests(self) -> None:
         """Forgets every request (after a failed step the scheduler starts over as well)."""
@@ -212,10 +231,12 @@ class ModelRunner:
         hidden = self._forward(batch, fill)  # [T, hidden]
         step = StepInFlight(batch=batch, prompt_logprobs=self._prompt_logprobs(batch, hidden))
         step.routed_ids, step.routed_rows = self._routed_experts(batch, routing_rows)
-        if len(batch.sample_rows):
+        if self.speculator is not None:  # every step: a draft model mirrors prefill chunks into its KV too
+            self._verify_and_propose(sched, batch, hidden, step)
+        elif len(batch.sample_rows):
             logits_indices = self._h2d(torch.from_numpy(batch.logits_indices))
             logits = self.model.compute_logits(hidden[logits_indices])  # [S, V]: model dtype on GPU, float32 on CPU
-            out = self.sampler(logits, self._sampling_metadata(batch))
+            out = self.sampler(logits, self._sampling_metadata(batch, batch.sample_rows))
             slots = batch.slots[batch.sample_rows]
             positions = self.state.num_tokens[slots].copy()
             room = positions < self.state.max_model_len  # a token past max_model_len is never an input
@@ -244,6 +265,8 @@ class ModelRunner:
         row_logprobs: list[LogprobsLists | None] | None = None
         if step.done is not None:
             step.done.synchronize()  # the step's one wait for the device
+        if step.spec_sampled is not None:
+            sampled, row_logprobs = step.spec_sampled, step.spec_logprobs
         if step.host_sampled is not None:
             token_ids = step.host_sampled.tolist()
             st = self.state
@@ -261,6 +284,59 @@ class ModelRunner:
             logprobs=row_logprobs,
             prompt_logprobs={req_id: lp.to_lists() for req_id, lp in step.prompt_logprobs.items()},
             routed_experts=self._routed_expert_lists(step),
+            spec_token_ids=step.spec_drafts if self.speculator is not None else None,
+        )
+
+    def _verify_and_propose(self, sched: SchedulerOutput, batch: InputBatch, hidden: torch.Tensor,
+                            step: StepInFlight) -> None:
+        """A speculative step's sampling, synchronous: one sample per position of each sampling row's
+        last known token and drafts, the prefix spec_decode.verify accepts written into RequestState,
+        then the speculator's drafts for the next step.
+
+            row tokens:  t_{n-1}  d_1  ...  d_k      (positions n-1 .. n+k-1)
+            samples:     s_0      s_1 ...  s_k      (s_j: the token at position n + j)
+        """
+        st = self.state
+        rows = batch.sample_rows
+        sampled: list[list[int]] = [[] for _ in batch.req_ids]
+        row_logprobs: list[LogprobsLists | None] = [None] * batch.num_reqs
+        step.spec_sampled, step.spec_logprobs = sampled, row_logprobs
+        if not len(rows):
+            step.spec_drafts = self.speculator.propose(VerifiedStep(batch, rows, rows, rows))
+            return
+        spec = sched.scheduled_spec_decode_tokens
+        drafts = [spec.get(batch.req_ids[r], []) for r in rows.tolist()]
+        counts = np.array([len(d) + 1 for d in drafts], dtype=np.int64)  # samples per row
+        firsts = np.cumsum(counts) - counts
+        ends = batch.query_start_loc[1:][rows].astype(np.int64)  # one past each row's last token
+        logits_indices = np.repeat(ends - counts, counts) + np.arange(int(counts.sum())) - np.repeat(firsts, counts)
+        offsets = np.arange(int(counts.sum())) - np.repeat(firsts, counts)  # [S] 0..d per row
+        logits = self.model.compute_logits(hidden[self._h2d(torch.from_numpy(logits_indices))])
+        entry_rows = np.repeat(rows, counts)
+        out = self.sampler(logits, self._sampling_metadata(batch, entry_rows, offsets))
+        samples = out.sampled_token_ids.tolist()  # the step's one wait for the device
+        lp = None
+        if out.logprobs is not None:
+            lp = tuple(t.cpu().numpy() for t in (out.logprobs.token_ids, out.logprobs.logprobs, out.logprobs.ranks))
+        last_tokens, last_positions = [], []
+        for i, row in enumerate(rows.tolist()):
+            first = int(firsts[i])
+            tokens = accepted_tokens(samples[first : first + int(counts[i])], drafts[i])
+            sampled[row] = tokens
+            slot = int(batch.slots[row])
+            n = int(st.num_tokens[slot])
+            kept = tokens[: max(0, st.max_model_len - n)]  # a token past max_model_len is never an input
+            st.token_ids[slot, n : n + len(kept)] = kept
+            st.num_tokens[slot] = n + len(kept)
+            last_positions.append(int(st.num_tokens[slot]) - 1)
+            last_tokens.append(int(st.token_ids[slot, last_positions[-1]]))
+            wanted = st.sampling_params[slot].logprobs
+            if lp is not None and wanted is not None:
+                end = first + len(tokens)
+                row_logprobs[row] = LogprobsLists(lp[0][first:end, : wanted + 1], lp[1][first:end, : wanted + 1],
+                                                  lp[2][first:end])
+        step.spec_drafts = self.speculator.propose(
+            VerifiedStep(batch, rows, np.array(last_tokens, dtype=np.int64), np.array(last_positions, dtype=np.int64))
         )
 
     @torch.inference_mode()
@@ -315,14 +391,20 @@ class ModelRunner:
 
     # ---- sampling inputs ------------------------------------------------------------------
 
-    def _sampling_metadata(self, batch: InputBatch) -> SamplingMetadata:
+    def _sampling_metadata(self, batch: InputBatch, rows: np.ndarray, offsets: np.ndarray | None = None) -> SamplingMetadata:
+        """Sampling inputs for one sample per entry of rows (batch rows; a row may repeat).
+
+        offsets (speculative steps): entry i samples the token offsets[i] places after the row's
+        known tokens, i.e. after its first offsets[i] drafts, which count as its output so far.
+        """
         st = self.state
-        slots = batch.slots[batch.sample_rows]  # [S]
+        slots = batch.slots[rows]  # [S]
         slots_t = torch.from_numpy(slots)
         params = [st.sampling_params[s] for s in slots.tolist()]
         temperature = st.temperature[slots_t]
         greedy = temperature == 0.0
-        num_outputs = (st.num_tokens[slots] - st.num_prompt_tokens[slots]).tolist()
+        ends = st.num_tokens[slots] if offsets is None else st.num_tokens[slots] + offsets  # [S] history ends
+        num_outputs = (ends - st.num_prompt_tokens[slots]).tolist()
 
         def column(values: torch.Tensor, off_value: float) -> torch.Tensor | None:
             col = values[slots_t]
@@ -338,7 +420,10 @@ class ModelRunner:
         repetition = st.repetition_penalty[slots_t]
         use_penalties = bool((presence != 0).any() or (frequency != 0).any() or (repetition != 1).any())
         need_outputs = use_penalties or any(sp.bad_words_token_ids for sp in params)
-        output_token_ids = [st.output_ids(s) for s in slots.tolist()] if need_outputs else []
+        output_token_ids = (
+            [st.token_ids[s, st.num_prompt_tokens[s] : e].tolist() for s, e in zip(slots.tolist(), ends.tolist())]
+            if need_outputs else []
+        )
         prompt_token_ids = None
         if use_penalties:
             max_prompt = int(st.num_prompt_tokens[slots].max())
@@ -352,7 +437,7 @@ class ModelRunner:
         for i, sp in enumerate(params):
             if num_outputs[i] < sp.min_tokens:
                 stop_ids = sp.all_stop_token_ids
-                eos = self.eos_token_ids.get(batch.req_ids[batch.sample_rows[i]])
+                eos = self.eos_token_ids.get(batch.req_ids[rows[i]])
                 if eos is not None and not sp.ignore_eos:
                     stop_ids = stop_ids | {eos}
                 min_tokens[i] = (sp.min_tokens, stop_ids)

@@ -23,6 +23,8 @@ class ModelRunnerOutput:
     # Per request that asked for return_routed_experts: (position of its first token this step,
     # [n, num_moe_layers, top_k] int32 expert ids of its n tokens processed this step).
     routed_experts: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)
+    # Speculative decoding: per row, the draft tokens proposed for its next step (None: no speculator).
+    spec_token_ids: list[list[int]] | None = None
 
     @staticmethod
     def empty() -> "ModelRunnerOutput":

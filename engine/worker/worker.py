@@ -114,6 +114,28 @@ class Worker:
         )
         # Built while the weights are resident: it records their shapes (sleep mode may empty them).
         self.weight_updater = WeightUpdater(self.model, self.device, config.fault_tolerance.weight_update_rollback)
+        self.draft_model: torch.nn.Module | None = None
+        self.draft_proposer = None
+        if config.speculative.settings is not None:
+            self._init_speculator(config.speculative.settings)
+
+    def _init_speculator(self, spec) -> None:
+        """Gives the model runner its speculator; a draft model's attention layers join attn_layers, so
+        its KV cache is sized, allocated, slept and woken with the model's (same block layout)."""
+        runner = self.model_runner
+        if spec.method == "ngram":
+            from engine.worker.spec_decode.ngram.proposer import NgramProposer
+
+            runner.set_speculator(NgramProposer(spec, runner.state), spec.num_speculative_tokens)
+            return
+        from engine.worker.spec_decode.draft_model.proposer import DraftModelProposer
+
+        draft_config = load_hf_config(spec.model)
+        self.draft_model = load_model(spec.model, draft_config, self.dtype, self.device, self.config.model.load_format)
+        self.attn_layers += [m for m in self.draft_model.modules() if isinstance(m, Attention)]
+        self.draft_proposer = DraftModelProposer(spec, self.draft_model, draft_config.architectures[0], self.device,
+                                                 runner.state, self.config.cache.block_size)
+        runner.set_speculator(self.draft_proposer, spec.num_speculative_tokens)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -161,6 +183,9 @@ class Worker:
         )
         # Graphs record the KV tensors' addresses, so they are captured after allocation.
         self.model_runner.capture_cuda_graphs()
+        if self.draft_proposer is not None and self.model_runner.cuda_graphs is not None:
+            self.draft_proposer.capture_cuda_graphs(self.config.scheduler.max_num_seqs,
+                                                    self.model_runner.max_num_blocks_per_req)
         self._warm_up_kernels()
 
     # ---- kernel warm-up: every Triton variant compiles before serving, not during a timed step ----
@@ -220,15 +245,22 @@ class Worker:
             batches.append(([1] * max_num_seqs, [decode_ctx] * max_num_seqs))
         num_blocks = self.attn_layers[0].kv_cache.shape[1]
         logits = None
+        draft = self.draft_proposer
         with torch.inference_mode():
             for query_lens, seq_lens in batches:
                 hidden = forward_without_kv_writes(self.model, self.device, query_lens, seq_lens, num_blocks,
                                                    block_size)
                 last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1  # each row's last token
                 logits = self.model.compute_logits(hidden[last])  # [rows, V]
+                if draft is not None:  # the draft model's layers have their own shapes, so their own variants
+                    with draft.backend():
+                        forward_without_kv_writes(self.draft_model, self.device, query_lens, seq_lens, num_blocks,
+                                                  block_size)
             self.model.compute_logits(hidden[-1:])  # one row (a single finishing prefill)
-            # The sampling kernel compiles one variant per chunk length, which depends on the row count.
-            for num_rows in gumbel_row_classes(logits.shape[1], max_num_seqs):
+            # The sampling kernel compiles one variant per chunk length, which depends on the row count
+            # (a speculative step samples at each row's last token and each of its drafts).
+            max_sample_rows = max_num_seqs * (self.model_runner.num_spec_tokens + 1)
+            for num_rows in gumbel_row_classes(logits.shape[1], max_sample_rows):
                 rows = logits[torch.arange(num_rows, device=self.device) % logits.shape[0]]
                 self._warm_up_sampler(rows, shaped=True)
                 self._warm_up_sampler(rows, shaped=False)

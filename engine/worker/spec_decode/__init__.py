@@ -1,0 +1,1 @@
+"""Speculative decoding: speculators propose tokens, verify.py accepts the prefix the model would have sampled."""
