@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from prometheus_client import CollectorRegistry
 
 from engine.config import EngineConfig
-from engine.core.stats import SchedulerStats
+from engine.core.stats import SchedulerStats, SpecDecodingStats
 from engine.metrics.base import StatLoggerBase, StatLoggerFactory
 from engine.metrics.flops import estimator_for
 from engine.metrics.iteration_stats import IterationStats, IterationStatsRecorder
@@ -33,12 +33,19 @@ __all__ = [
 
 
 class LoggingStatLogger(StatLoggerBase):
-    """One INFO line per engine at most every log_stats_interval seconds; rates cover the time since the last line."""
+    """One INFO line per engine at most every log_stats_interval seconds; rates cover the time since the last line.
+
+    When the engine speculates, the line ends with the interval's draft acceptance rate
+    (accepted / draft tokens), mean acceptance length (1 + accepted / drafts: the tokens a
+    request gains per verifying step) and acceptance rate per draft position (accepted / drafts).
+    """
 
     def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
         self.engine_index = engine_index
         self.interval = config.observability.log_stats_interval
         self.estimator = estimator_for(config)
+        settings = config.speculative.settings
+        self.num_spec_tokens = settings.num_speculative_tokens if settings is not None else 0  # 0: no speculation
         self.last_log_time = time.monotonic()
         # Latest gauges.
         self.num_running_reqs = 0
@@ -52,6 +59,7 @@ class LoggingStatLogger(StatLoggerBase):
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.flops = 0.0
+        self.spec_decoding = SpecDecodingStats(self.num_spec_tokens) if self.num_spec_tokens else None
 
     def record(
         self,
@@ -68,9 +76,24 @@ class LoggingStatLogger(StatLoggerBase):
             self.prefix_cache_hits += s.prefix_cache_hits
             if self.estimator is not None:
                 self.flops += self.estimator.estimate(s.step_work).flops
+            if s.spec_decoding is not None:
+                self._add_spec_decoding(s.spec_decoding)
         if iteration_stats is not None:
             self.num_prompt_tokens += iteration_stats.num_prompt_tokens
             self.num_generation_tokens += iteration_stats.num_generation_tokens
+
+    def _add_spec_decoding(self, stats: SpecDecodingStats) -> None:
+        if self.spec_decoding is None:  # speculation the config did not announce: report it from now on
+            self.num_spec_tokens = stats.num_spec_tokens
+            self.spec_decoding = SpecDecodingStats(self.num_spec_tokens)
+        total = self.spec_decoding
+        total.num_drafts += stats.num_drafts
+        total.num_draft_tokens += stats.num_draft_tokens
+        total.num_accepted_tokens += stats.num_accepted_tokens
+        per_pos = total.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (len(stats.num_accepted_tokens_per_pos) - len(per_pos)))
+        for pos, num_accepted in enumerate(stats.num_accepted_tokens_per_pos):
+            per_pos[pos] += num_accepted
 
     def log(self) -> None:
         now = time.monotonic()
@@ -78,10 +101,12 @@ class LoggingStatLogger(StatLoggerBase):
         if elapsed < self.interval:
             return
         hit_rate = self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-        logger.info(
+        fmt = (
             "Engine %03d: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
             "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, "
-            "Estimated: %.3f TFLOP/s",
+            "Estimated: %.3f TFLOP/s"
+        )
+        args = [
             self.engine_index,
             self.num_prompt_tokens / elapsed,
             self.num_generation_tokens / elapsed,
@@ -90,7 +115,20 @@ class LoggingStatLogger(StatLoggerBase):
             100 * self.kv_cache_usage,
             100 * hit_rate,
             self.flops / elapsed / 1e12,
-        )
+        ]
+        if (spec := self.spec_decoding) is not None:
+            # An interval without drafts reads as rate 0 and length 1 (each step gained one token).
+            drafts = max(spec.num_drafts, 1)
+            fmt += (
+                ", Spec decode draft acceptance rate: %.1f%%, Mean acceptance length: %.2f, "
+                "Per-position acceptance rate: %s"
+            )
+            args += [
+                100 * spec.num_accepted_tokens / max(spec.num_draft_tokens, 1),
+                1 + spec.num_accepted_tokens / drafts,
+                ", ".join(f"{n / drafts:.3f}" for n in spec.num_accepted_tokens_per_pos),
+            ]
+        logger.info(fmt, *args)
         self.last_log_time = now
         self._reset_interval()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
 from prometheus_client import (
@@ -17,7 +17,7 @@ from prometheus_client import (
 from prometheus_client.metrics import MetricWrapperBase
 
 from engine.config import EngineConfig
-from engine.core.stats import SchedulerStats
+from engine.core.stats import SchedulerStats, SpecDecodingStats
 from engine.metrics.base import StatLoggerBase
 from engine.metrics.flops import estimator_for
 from engine.metrics.iteration_stats import IterationStats
@@ -99,6 +99,10 @@ class PrometheusStatLogger(StatLoggerBase):
         self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled (estimated).", REQUEST_BUCKETS)
         self.request_prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.", REQUEST_BUCKETS)
         self.request_decode_time = histogram("request_decode_time_seconds", "First token to last token.", REQUEST_BUCKETS)
+        # Only in a registry whose engine speculates (or once speculation stats arrive), as in vLLM.
+        self._counter = counter
+        settings = config.speculative.settings
+        self.spec_decode = SpecDecodeMetrics(counter, settings.num_speculative_tokens) if settings else None
 
         # Each engine's labelled series, made once: labels() costs a lookup under a lock, and a
         # step records into ~20 series (plus 5 per finished request). Valid while no series is
@@ -123,14 +127,22 @@ class PrometheusStatLogger(StatLoggerBase):
 
     def _engine_series(self, engine_index: int) -> SimpleNamespace:
         """One engine's series: an attribute per metric of _engine_metrics(), named alike, plus
-        request_success by finish reason."""
+        request_success by finish reason and `spec` (None while there are no spec_decode families)."""
         series = self._series.get(engine_index)
         if series is None:
             labels = (self.model_name, str(engine_index))
             series = SimpleNamespace(**{name: m.labels(*labels) for name, m in self._engine_metrics().items()})
             series.request_success = {str(r): self.request_success.labels(*labels, str(r)) for r in FinishReason}
+            series.spec = self.spec_decode.series(labels) if self.spec_decode is not None else None
             self._series[engine_index] = series
         return series
+
+    def _record_spec_decoding(self, e: SimpleNamespace, engine_index: int, stats: SpecDecodingStats) -> None:
+        if e.spec is None:  # speculation the config did not announce: add the families now
+            if self.spec_decode is None:
+                self.spec_decode = SpecDecodeMetrics(self._counter, stats.num_spec_tokens)
+            e.spec = self.spec_decode.series((self.model_name, str(engine_index)))
+        self.spec_decode.record(e.spec, stats)
 
     def record(
         self,
@@ -154,6 +166,8 @@ class PrometheusStatLogger(StatLoggerBase):
                 e.estimated_flops.inc(cost.flops)
                 e.estimated_read_bytes.inc(cost.read_bytes)
                 e.estimated_write_bytes.inc(cost.write_bytes)
+            if s.spec_decoding is not None:
+                self._record_spec_decoding(e, engine_index, s.spec_decoding)
         if iteration_stats is not None:
             it = iteration_stats
             e.prompt_tokens.inc(it.num_prompt_tokens)
@@ -185,6 +199,45 @@ class PrometheusStatLogger(StatLoggerBase):
     def snapshot(self) -> dict[str, float]:
         """Every sample as a plain number (see registry_snapshot)."""
         return registry_snapshot(self.registry)
+
+
+class SpecDecodeMetrics:
+    """The speculative-decoding counters (vLLM's spec_decode_* families): drafts verified and how
+    many of their tokens the model accepted, in total and by draft position.
+
+    The acceptance rate is accepted / draft tokens; the mean acceptance length (tokens a request
+    gains per verifying step, its own sampled token included) is 1 + accepted / drafts.
+    """
+
+    def __init__(self, counter: Callable[..., Counter], num_spec_tokens: int) -> None:
+        self.num_spec_tokens = num_spec_tokens
+        self.num_drafts = counter("spec_decode_num_drafts", "Request steps that verified at least one draft token.")
+        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.num_accepted_tokens_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0 is the first draft token).",
+            ["position"],
+        )
+
+    def series(self, labels: tuple[str, str]) -> SimpleNamespace:
+        """One engine's series (labels: model_name, engine); every configured position's made up front."""
+        return SimpleNamespace(
+            labels=labels,
+            num_drafts=self.num_drafts.labels(*labels),
+            num_draft_tokens=self.num_draft_tokens.labels(*labels),
+            num_accepted_tokens=self.num_accepted_tokens.labels(*labels),
+            per_pos=[self.num_accepted_tokens_per_pos.labels(*labels, str(i)) for i in range(self.num_spec_tokens)],
+        )
+
+    def record(self, series: SimpleNamespace, stats: SpecDecodingStats) -> None:
+        series.num_drafts.inc(stats.num_drafts)
+        series.num_draft_tokens.inc(stats.num_draft_tokens)
+        series.num_accepted_tokens.inc(stats.num_accepted_tokens)
+        for pos, num_accepted in enumerate(stats.num_accepted_tokens_per_pos):
+            if pos == len(series.per_pos):  # more positions than configured: series of their own
+                series.per_pos.append(self.num_accepted_tokens_per_pos.labels(*series.labels, str(pos)))
+            series.per_pos[pos].inc(num_accepted)
 
 
 def observe_all(histogram, values: list[float]) -> None:
