@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU tier and the GPU benchmarks in one device call; logs and JSON go to $OUT (default benchmarks/out).
-# Usage: benchmarks/run_gpu.sh [tests] [a] [b] [c] [d] [w] [s] [p] [g] [t] [al] [x2]   (no argument: all but s, p, g, t, al and x2)
+# Usage: benchmarks/run_gpu.sh [tests] [a] [b] [c] [d] [w] [s] [p] [g] [t] [al] [sd] [x2]   (no argument: all but s, p, g, t, al, sd and x2)
 # g: small-M linear kernel configs against cuBLAS.
 # t: decode attention tile configs, split-KV and program order, at one context length and at mixed lengths.
 # al: (a) without HF, decode attention programs longest context first.
+# sd: speculative decoding speed-up at batch 1 and 16 (n-gram, draft model) with acceptance rates.
 # p: where the offline run's time goes (per-step host/GPU split, top kernels).
 # x2 (two GPUs): the two-GPU tests, nccl/sharded_rdt/sparse weight sync GPU 0 -> GPU 1, TP=2 and DP=2 throughput.
 set -uo pipefail
@@ -42,6 +43,7 @@ for part in $parts; do
        run decode_7b $py benchmarks/decode_latency.py --shape qwen2.5-7b --json-out "$OUT/h200-7b-decode-latency.json" ;;
     g) run gemv_configs $py benchmarks/gemv_configs.py --json-out "$OUT/h200-gemv-configs.json" ;;
     t) run attention_configs $py benchmarks/attention_configs.py --json-out "$OUT/h200-attention-configs.json" ;;
+    sd) run spec_decode_0.6b $py benchmarks/spec_decode.py --shape qwen3-0.6b --json-out "$OUT/h200-spec-decode.json" ;;
     p) run step_profile_0.6b $py benchmarks/step_profile.py --shape qwen3-0.6b --json-out "$OUT/h200-step-profile.json" ;;
     s) run sampling_micro $py benchmarks/sampling_micro.py --device cuda --out "$OUT/h200-sampling-micro.json" ;;
     w) run weight_sync $py benchmarks/weight_sync.py --device cuda --backends ipc --buffer-mib 1024 --syncs 5 \

@@ -15,7 +15,7 @@ import contextlib
 import numpy as np
 import torch
 
-from engine.attention.layer import override_attention_backend
+from engine.attention.layer import get_attention_backend, override_attention_backend
 from engine.config import SpecDecodeSettings
 from engine.forward_context import set_forward_context
 from engine.worker.cuda_graphs import CudaGraphRunner
@@ -46,6 +46,10 @@ class DraftModelProposer:
         return override_attention_backend(self.attention_backend)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_num_blocks_per_req: int) -> None:
+        """Decode and verify graphs of the draft, unless its attention backend cannot replay (it then runs eagerly)."""
+        with self.backend():
+            if not getattr(get_attention_backend(), "SUPPORTS_CUDA_GRAPHS", False):
+                return
         graphs = CudaGraphRunner(self.model, self.device, max_num_seqs, max_num_blocks_per_req,
                                  max_verify_len=self.k + 1)
         with self.backend():
