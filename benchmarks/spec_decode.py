@@ -145,19 +145,21 @@ def main() -> None:
                 torch.cuda.empty_cache()
         for b in args.batch_sizes:
             plain, fast = rows["plain"][b], rows["spec"][b]
-            same = plain.pop("tokens") == fast.pop("tokens")
+            # bf16: a verify step's logits come from other kernel shapes than a decode step's, so a
+            # near-tie may flip a request's greedy path (tests/gpu/test_spec_decode_gpu.py bounds the gap).
+            same = sum(a == b for a, b in zip(plain.pop("tokens"), fast.pop("tokens")))
             results.append({"case": case, "batch": b, "k": k, "plain": plain, "spec": fast,
-                            "speedup": plain["elapsed_s"] / fast["elapsed_s"], "greedy_tokens_identical": same})
+                            "speedup": plain["elapsed_s"] / fast["elapsed_s"], "requests_identical": same})
 
     print(f"\nSpeculative decoding, {args.shape} shape, greedy, {args.output_len} output tokens per request, "
           f"k={k}, {gpu}")
     print(f"{'case':<12}{'batch':>6}{'plain ms/tok':>14}{'spec ms/tok':>13}{'speed-up':>10}{'accept':>8}"
-          f"{'tok/step':>10}  per position          identical")
+          f"{'tok/step':>10}  per position          same tokens")
     for r in results:
         s = r["spec"]
         print(f"{r['case']:<12}{r['batch']:>6}{r['plain']['ms_per_token']:>14.3f}{s['ms_per_token']:>13.3f}"
               f"{r['speedup']:>9.2f}x{s['acceptance_rate']:>8.2f}{s['mean_acceptance_length']:>10.2f}  "
-              f"{str(s['accepted_per_pos']):<22}{r['greedy_tokens_identical']}")
+              f"{str(s['accepted_per_pos']):<22}{r['requests_identical']}/{r['batch']}")
     write_json(args.json_out, {"benchmark": "spec_decode", "shape": args.shape, "gpu": gpu,
                                "args": vars(args), "results": results})
 

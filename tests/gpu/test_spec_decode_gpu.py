@@ -27,21 +27,25 @@ def prompts(vocab: int, repetitive: bool):
     return out
 
 
+def spec_config(method, path, arch, tiny_checkpoint):
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    draft = path if method == "draft_same" else tiny_checkpoint("qwen3" if arch == "llama" else "llama")
+    return {"method": "draft_model", "num_speculative_tokens": 3, "model": draft}
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("method", ["ngram", "draft_same", "draft_other"])
-def test_greedy_tokens_equal_plain_decoding_in_bf16(tiny_checkpoint, arch, method):
+def test_greedy_tokens_equal_plain_decoding_in_float32(tiny_checkpoint, arch, method):
+    """The GPU path (Triton attention over verify rows, verify-step graphs, the draft's graphs) is exact:
+    in float32, where no near-tie flips, every token equals plain decoding's."""
     path = tiny_checkpoint(arch)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    plain = make_llm(path)
+    plain = make_llm(path, dtype="float32")
     work = prompts(plain.engine_core.vocab_size, repetitive=method == "ngram")
     expected = [list(o.outputs[0].token_ids) for o in plain.generate(work, params, use_tqdm=False)]
     plain.engine_core.shutdown()
-    if method == "ngram":
-        config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
-    else:
-        draft = path if method == "draft_same" else tiny_checkpoint("qwen3" if arch == "llama" else "llama")
-        config = {"method": "draft_model", "num_speculative_tokens": 3, "model": draft}
-    spec = make_llm(path, config)
+    spec = make_llm(path, spec_config(method, path, arch, tiny_checkpoint), dtype="float32")
     got = [list(o.outputs[0].token_ids) for o in spec.generate(work, params, use_tqdm=False)]
     assert got == expected
     worker = spec.engine_core.executor.worker
@@ -50,10 +54,40 @@ def test_greedy_tokens_equal_plain_decoding_in_bf16(tiny_checkpoint, arch, metho
     totals = spec.engine_core.scheduler.spec_totals
     assert totals.num_drafts > 0
     if method == "draft_same":
-        # Its own argmax, up to bf16 near-ties between the draft's one-token passes and the verify pass.
-        assert totals.num_accepted_tokens >= 0.9 * totals.num_draft_tokens
+        assert totals.num_accepted_tokens == totals.num_draft_tokens  # its own argmax
     if method != "ngram":
         assert worker.draft_proposer.cuda_graphs.num_replays > 0
+    spec.engine_core.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("method", ["ngram", "draft_same", "draft_other"])
+def test_bf16_greedy_tokens_equal_plain_decoding_up_to_near_ties(tiny_checkpoint, arch, method):
+    """In bf16 a verify step computes a row's logits in other kernels than a one-token decode step (other
+    GEMM shapes, the multi-token attention tile), so a near-tie may flip. Each request's tokens equal plain
+    decoding's, or its first difference is between two tokens plain decoding scored within 0.125 (bf16
+    logprob steps at these magnitudes are 1/64 to 1/32)."""
+    path = tiny_checkpoint(arch)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=5)
+    plain = make_llm(path)
+    work = prompts(plain.engine_core.vocab_size, repetitive=method == "ngram")
+    plain_out = [o.outputs[0] for o in plain.generate(work, params, use_tqdm=False)]
+    plain.engine_core.shutdown()
+    spec = make_llm(path, spec_config(method, path, arch, tiny_checkpoint))
+    got = [list(o.outputs[0].token_ids) for o in spec.generate(work, params, use_tqdm=False)]
+    num_identical = 0
+    for out, tokens in zip(plain_out, got):
+        expected = list(out.token_ids)
+        if tokens == expected:
+            num_identical += 1
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(tokens, expected)) if a != b)
+        scores = out.logprobs[i]  # plain decoding's top logprobs at the first difference
+        assert tokens[i] in scores, (i, tokens[i], expected[i], scores)
+        gap = scores[expected[i]].logprob - scores[tokens[i]].logprob
+        assert 0 <= gap <= 0.125, (i, gap)
+    assert num_identical >= len(got) // 2
+    assert spec.engine_core.executor.worker.model_runner.cuda_graphs.num_verify_replays > 0
     spec.engine_core.shutdown()
 
 
