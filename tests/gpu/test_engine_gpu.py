@@ -102,7 +102,7 @@ def test_cuda_graph_hidden_states_match_eager(tiny_checkpoint):
 
     Batch.seq_lens = Batch.seq_lens_np
     size = graphs.bucket_for(Batch)
-    assert size == 4
+    assert size == (4, 1)  # (bucket, tokens per row): a decode graph
     out = graphs.replay(size, Batch).clone()
     md = AttentionMetadata.build([1, 1, 1], seq_lens, tables, 16, device="cuda")
     with torch.inference_mode(), set_forward_context(md):

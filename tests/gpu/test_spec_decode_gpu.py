@@ -92,15 +92,18 @@ def test_bf16_greedy_tokens_equal_plain_decoding_up_to_near_ties(tiny_checkpoint
 
 
 def test_draft_attention_backend_is_chosen_separately(tiny_checkpoint):
+    """The draft on the torch reference attention (eager), the model on Triton; float32, so tokens compare exactly."""
     path = tiny_checkpoint("llama")
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    plain = make_llm(path)
+    plain = make_llm(path, dtype="float32")
     work = prompts(plain.engine_core.vocab_size, repetitive=False)
     expected = [list(o.outputs[0].token_ids) for o in plain.generate(work, params, use_tqdm=False)]
     plain.engine_core.shutdown()
     spec = make_llm(path, {"method": "draft_model", "num_speculative_tokens": 2, "model": path,
-                           "attention_backend": "torch_ref"})
+                           "attention_backend": "torch_ref"}, dtype="float32")
     got = [list(o.outputs[0].token_ids) for o in spec.generate(work, params, use_tqdm=False)]
     assert got == expected
     assert spec.engine_core.executor.worker.draft_proposer.cuda_graphs is None  # torch_ref cannot replay: eager
+    totals = spec.engine_core.scheduler.spec_totals
+    assert totals.num_accepted_tokens == totals.num_draft_tokens > 0  # the same model, another attention kernel
     spec.engine_core.shutdown()
