@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.config import SpecDecodeSettings
 from engine.worker.request_state import RequestState
@@ -14,17 +13,21 @@ def ngram_lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int
     """Up to k tokens that followed an earlier occurrence of tokens' last n tokens, longest n first.
 
     Among the occurrences of one suffix the latest that is followed by k tokens wins (else the
-    latest at all): a repeating span continues the way it went last time.
+    latest at all): a repeating span continues the way it went last time. Candidates are the
+    earlier occurrences of the last token, narrowed one token back at a time (one pass over
+    the tokens, then work on the candidates only: a step calls this for every sampling row).
     """
     length = len(tokens)
+    last_ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # where an occurrence ends
     for n in range(min(n_max, length - 1), n_min - 1, -1):
-        suffix = tokens[length - n:]
-        # Windows starting at 0 .. length - n - 1: every occurrence except the suffix itself.
-        windows = sliding_window_view(tokens[: length - 1], n)
-        starts = np.flatnonzero((windows == suffix).all(axis=1))
-        if not len(starts):
+        ends = last_ends[last_ends >= n - 1]
+        for back in range(1, n):
+            if not len(ends):
+                break
+            ends = ends[tokens[ends - back] == tokens[length - 1 - back]]
+        if not len(ends):
             continue
-        follow = starts + n  # where each occurrence's continuation begins
+        follow = ends + 1  # where each occurrence's continuation begins
         full = follow[follow + k <= length]
         begin = int(full[-1] if len(full) else follow[-1])
         return tokens[begin : begin + k].tolist()
