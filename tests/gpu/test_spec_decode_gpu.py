@@ -72,23 +72,31 @@ def test_bf16_greedy_tokens_equal_plain_decoding_up_to_near_ties(tiny_checkpoint
     plain = make_llm(path)
     work = prompts(plain.engine_core.vocab_size, repetitive=method == "ngram")
     plain_out = [o.outputs[0] for o in plain.generate(work, params, use_tqdm=False)]
+    # Plain decoding itself is not batch-invariant in bf16: each request alone (batch 1, other kernels).
+    alone = [list(plain.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in work]
     plain.engine_core.shutdown()
     spec = make_llm(path, spec_config(method, path, arch, tiny_checkpoint))
     got = [list(o.outputs[0].token_ids) for o in spec.generate(work, params, use_tqdm=False)]
-    num_identical = 0
-    for out, tokens in zip(plain_out, got):
-        expected = list(out.token_ids)
-        if tokens == expected:
-            num_identical += 1
-            continue
-        i = next(j for j, (a, b) in enumerate(zip(tokens, expected)) if a != b)
-        scores = out.logprobs[i]  # plain decoding's top logprobs at the first difference
-        assert tokens[i] in scores, (i, tokens[i], expected[i], scores)
-        gap = scores[expected[i]].logprob - scores[tokens[i]].logprob
-        assert 0 <= gap <= 0.125, (i, gap)
-    assert num_identical >= len(got) // 2
+    same_spec = sum(near_tie_or_equal(out, tokens) for out, tokens in zip(plain_out, got))
+    same_alone = sum(near_tie_or_equal(out, tokens) for out, tokens in zip(plain_out, alone))
+    print(f"{arch} {method}: requests identical to plain batched decoding: speculative {same_spec}/{len(got)}, "
+          f"plain one at a time {same_alone}/{len(got)}")
+    assert same_spec >= len(got) // 2
     assert spec.engine_core.executor.worker.model_runner.cuda_graphs.num_verify_replays > 0
     spec.engine_core.shutdown()
+
+
+def near_tie_or_equal(out, tokens) -> bool:
+    """True if tokens equal out's; otherwise asserts their first difference is a near-tie in out's scores."""
+    expected = list(out.token_ids)
+    if tokens == expected:
+        return True
+    i = next(j for j, (a, b) in enumerate(zip(tokens, expected)) if a != b)
+    scores = out.logprobs[i]  # the reference's top logprobs at the first difference
+    assert tokens[i] in scores, (i, tokens[i], expected[i], scores)
+    gap = scores[expected[i]].logprob - scores[tokens[i]].logprob
+    assert 0 <= gap <= 0.125, (i, gap)
+    return False
 
 
 def test_draft_attention_backend_is_chosen_separately(tiny_checkpoint):
