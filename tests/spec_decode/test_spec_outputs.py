@@ -109,3 +109,26 @@ def test_the_model_as_its_own_draft_has_every_greedy_draft_accepted(tiny_checkpo
     assert totals.num_draft_tokens > 0
     assert totals.num_accepted_tokens == totals.num_draft_tokens
     spec.engine_core.shutdown()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_same"])
+def test_prefix_cache_hits_are_unaffected(tiny_checkpoint, method):
+    """Requests sharing a 48-token prefix hit the prefix cache (the draft model's KV sits in the same
+    blocks, so a hit serves both) and still emit plain decoding's tokens."""
+    path = tiny_checkpoint("llama")
+    shared = [(7 * i) % 300 + 3 for i in range(48)]
+    prompts = [{"prompt_token_ids": shared + [100 + i, 200 + i]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = make_llm(path)
+    expected = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params, use_tqdm=False)]
+    plain.engine_core.shutdown()
+    config = ngram() if method == "ngram" else {"method": "draft_model", "num_speculative_tokens": 3, "model": path}
+    spec = make_llm(path, config, max_num_seqs=1)  # one at a time: each later request finds the blocks cached
+    got = [list(o.outputs[0].token_ids) for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    kv = spec.engine_core.scheduler.kv_cache_manager
+    assert kv.total_prefix_cache_hits >= 3 * 48
+    if method == "draft_same":  # the draft's KV in the hit blocks is right too: every greedy draft accepted
+        totals = spec.engine_core.scheduler.spec_totals
+        assert totals.num_accepted_tokens == totals.num_draft_tokens > 0
+    spec.engine_core.shutdown()
