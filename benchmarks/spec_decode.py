@@ -83,14 +83,31 @@ def run_case(llm, prompts, output_len: int) -> dict:
     totals = getattr(core.scheduler, "spec_totals", None)
     before = None if totals is None else (totals.num_drafts, totals.num_draft_tokens, totals.num_accepted_tokens,
                                           list(totals.num_accepted_tokens_per_pos))
+    # Runner time per step: the forward pass, sampling, the wait for it, verification and proposing
+    # (speculative steps are synchronous); the rest of a step is the engine's host work.
+    executor = core.executor
+    execute, runner_s, steps = executor.execute_model, [0.0], [0]
+
+    def timed(sched):
+        t = time.perf_counter()
+        result = execute(sched)
+        runner_s[0] += time.perf_counter() - t
+        steps[0] += 1
+        return result
+
+    executor.execute_model = timed
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        executor.execute_model = execute
     elapsed = time.perf_counter() - start
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     row = {"elapsed_s": elapsed, "ms_per_token": 1000 * elapsed / output_len,
-           "output_tok_per_s": sum(map(len, tokens)) / elapsed, "tokens": tokens}
+           "output_tok_per_s": sum(map(len, tokens)) / elapsed, "tokens": tokens, "num_synchronous_steps": steps[0],
+           "runner_ms_per_synchronous_step": 1000 * runner_s[0] / max(steps[0], 1)}
     if totals is not None:
         drafts = totals.num_drafts - before[0]
         draft_tokens = totals.num_draft_tokens - before[1]
@@ -154,11 +171,13 @@ def main() -> None:
     print(f"\nSpeculative decoding, {args.shape} shape, greedy, {args.output_len} output tokens per request, "
           f"k={k}, {gpu}")
     print(f"{'case':<12}{'batch':>6}{'plain ms/tok':>14}{'spec ms/tok':>13}{'speed-up':>10}{'accept':>8}"
-          f"{'tok/step':>10}  per position          same tokens")
+          f"{'tok/step':>10}{'steps':>7}{'step ms':>9}{'runner ms':>11}  per position          same tokens")
     for r in results:
         s = r["spec"]
+        steps = s["num_synchronous_steps"]
         print(f"{r['case']:<12}{r['batch']:>6}{r['plain']['ms_per_token']:>14.3f}{s['ms_per_token']:>13.3f}"
-              f"{r['speedup']:>9.2f}x{s['acceptance_rate']:>8.2f}{s['mean_acceptance_length']:>10.2f}  "
+              f"{r['speedup']:>9.2f}x{s['acceptance_rate']:>8.2f}{s['mean_acceptance_length']:>10.2f}"
+              f"{steps:>7}{1000 * s['elapsed_s'] / max(steps, 1):>9.3f}{s['runner_ms_per_synchronous_step']:>11.3f}  "
               f"{str(s['accepted_per_pos']):<22}{r['requests_identical']}/{r['batch']}")
     write_json(args.json_out, {"benchmark": "spec_decode", "shape": args.shape, "gpu": gpu,
                                "args": vars(args), "results": results})
