@@ -51,6 +51,9 @@ class WorkerSleeper:
             return
         start = time.perf_counter()
         self.worker.model_runner.cuda_graphs = None  # they point at the memory freed below
+        draft = getattr(self.worker, "draft_proposer", None)
+        if draft is not None:  # a draft model's graphs read its KV cache, freed below too (its weights stay)
+            draft.cuda_graphs = None
         if level == 1 and self.device.type != "cpu":
             self._offload_weights()
         elif level == 2:
@@ -98,9 +101,13 @@ class WorkerSleeper:
             self._allocate_kv_cache()
         self.asleep -= woke
         if woke and not self.asleep:
-            capture = getattr(self.worker.model_runner, "capture_cuda_graphs", None)
+            runner = self.worker.model_runner
+            capture = getattr(runner, "capture_cuda_graphs", None)
             if capture is not None:
                 capture()
+            draft = getattr(self.worker, "draft_proposer", None)
+            if draft is not None and getattr(runner, "cuda_graphs", None) is not None:
+                draft.capture_cuda_graphs(self.worker.config.scheduler.max_num_seqs, runner.max_num_blocks_per_req)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if woke:

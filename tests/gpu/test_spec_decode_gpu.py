@@ -115,3 +115,25 @@ def test_draft_attention_backend_is_chosen_separately(tiny_checkpoint):
     totals = spec.engine_core.scheduler.spec_totals
     assert totals.num_accepted_tokens == totals.num_draft_tokens > 0  # the same model, another attention kernel
     spec.engine_core.shutdown()
+
+
+def test_sleep_and_wake_up_recapture_the_draft_graphs(tiny_checkpoint):
+    """Sleep frees the KV caches both models' graphs read; wake-up captures the draft's graphs again."""
+    path = tiny_checkpoint("llama")
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    spec = make_llm(path, {"method": "draft_model", "num_speculative_tokens": 3, "model": path}, dtype="float32")
+    work = prompts(spec.engine_core.vocab_size, repetitive=False)
+    before = [list(o.outputs[0].token_ids) for o in spec.generate(work, params, use_tqdm=False)]
+    core = spec.engine_core
+    draft = core.executor.worker.draft_proposer
+    old_graphs = draft.cuda_graphs
+    core.sleep(1)
+    assert draft.cuda_graphs is None
+    core.wake_up()
+    assert draft.cuda_graphs is not None and draft.cuda_graphs is not old_graphs
+    after = [list(o.outputs[0].token_ids) for o in spec.generate(work, params, use_tqdm=False)]
+    assert after == before
+    assert draft.cuda_graphs.num_replays > 0
+    totals = core.scheduler.spec_totals
+    assert totals.num_accepted_tokens == totals.num_draft_tokens
+    core.shutdown()
