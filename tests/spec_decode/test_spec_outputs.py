@@ -132,3 +132,25 @@ def test_prefix_cache_hits_are_unaffected(tiny_checkpoint, method):
         totals = spec.engine_core.scheduler.spec_totals
         assert totals.num_accepted_tokens == totals.num_draft_tokens > 0
     spec.engine_core.shutdown()
+
+
+def test_sleep_and_wake_up_keep_the_draft_model_working(tiny_checkpoint):
+    """Sleep frees both models' KV caches (the draft's layers are the worker's attn_layers too); after
+    wake-up the model as its own draft still has every greedy draft accepted."""
+    path = tiny_checkpoint("llama")
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5 + i, 9, 13 + i, 2]} for i in range(3)]
+    spec = make_llm(path, {"method": "draft_model", "num_speculative_tokens": 3, "model": path})
+    core = spec.engine_core
+    before = [list(o.outputs[0].token_ids) for o in spec.generate(prompts, params, use_tqdm=False)]
+    worker = core.executor.worker
+    num_layers = len(worker.attn_layers)
+    assert num_layers == 2 * len([m for m in worker.model.modules() if m.__class__.__name__ == "Attention"])
+    core.sleep(1)
+    assert all(layer.kv_cache is None or layer.kv_cache.numel() == 0 for layer in worker.attn_layers)
+    core.wake_up()
+    after = [list(o.outputs[0].token_ids) for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert after == before
+    totals = core.scheduler.spec_totals
+    assert totals.num_accepted_tokens == totals.num_draft_tokens > 0
+    core.shutdown()
