@@ -346,11 +346,12 @@ class AsyncLLM:
     async def get_weight_version(self) -> str | None:
         return await self._control("get_weight_version")
 
-    async def weight_info(self) -> dict:
-        return await self._control("weight_info")
+    async def weight_info(self, model: str = "target") -> dict:
+        """EngineCore.weight_info of `model`: "target", or speculative decoding's "draft"."""
+        return await self._control("weight_info", model)
 
-    async def weight_checker(self, baseline: dict | None = None) -> dict:
-        return await self._control("weight_checker", baseline)
+    async def weight_checker(self, baseline: dict | None = None, model: str = "target") -> dict:
+        return await self._control("weight_checker", baseline, model)
 
     async def get_dp_state(self) -> dict:
         """A lockstep engine's wave and step counters (engine/dp_core_proc.py); EngineUtilityError on any other engine."""

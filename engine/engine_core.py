@@ -336,6 +336,9 @@ class EngineCore:
 
     # ---- weights: versions, updates (engine/worker/weight_update.py), checks -------------------
     # Utility calls run between steps, so no step ever sees a half-applied update_weights call.
+    # With a draft model (speculative decoding) init_info / update_info {"model": "draft"} update the
+    # draft instead of the target, on the same lifecycle: the draft's KV lives in the same blocks,
+    # so a draft update resets the prefix cache and recomputes running requests like a target update.
 
     def update_weight_version(self, weight_version: str) -> None:
         self.drain()  # tokens of the step in flight belong to the version they were computed with
@@ -424,18 +427,22 @@ class EngineCore:
         self._weights_consistent = self.executor.weights_consistent()
         self._set_weight_update_active(False)
 
-    def weight_info(self) -> dict:
+    def weight_info(self, model: str = "target") -> dict:
         """{"weight_version": str, "weights": {hf_name: {"shape": [...], "dtype": str, "shard": ...}}} (rank 0's),
-        plus "ranks": [each tensor-parallel rank's "weights"] when the engine has more than one rank."""
-        per_rank = self.executor.weight_info()
+        plus "ranks": [each tensor-parallel rank's "weights"] when the engine has more than one rank.
+
+        model: "target" (the served model) or "draft" (speculative decoding's draft model; ValueError
+        when the engine has none)."""
+        per_rank = self.executor.weight_info(model)
         info = {"weight_version": self.weight_version, "weights": per_rank[0]}
         if len(per_rank) > 1:
             info["ranks"] = per_rank
         return info
 
-    def weight_checker(self, baseline: dict | None = None) -> dict:
-        """{"weight_version", "checksums": {hf_name: sha256}}, plus match/mismatches/missing/unexpected vs `baseline`."""
-        return {"weight_version": self.weight_version, **self.executor.weight_checker(baseline)}
+    def weight_checker(self, baseline: dict | None = None, model: str = "target") -> dict:
+        """{"weight_version", "checksums": {hf_name: sha256}}, plus match/mismatches/missing/unexpected vs `baseline`,
+        of `model` ("target" or "draft", as in weight_info)."""
+        return {"weight_version": self.weight_version, **self.executor.weight_checker(baseline, model)}
 
     def get_worker_pids(self) -> list[int]:
         """Each tensor-parallel rank's worker pid (this process's for the in-process executor; a Ray

@@ -453,18 +453,18 @@ class RolloutGroup:
         """The version every engine serves; WeightVersionMismatchError if they differ."""
         return self._agreed_version("get_weight_version", await self._fan_out("get_weight_version"))
 
-    async def weight_info(self) -> dict:
-        """Engine 0's weight_info, once every engine is checked to serve the same version, with
-        every engine's in `engines` (each has its tensor-parallel ranks' slices under "ranks")."""
-        infos = await self._fan_out("weight_info")
+    async def weight_info(self, model: str = "target") -> dict:
+        """Engine 0's weight_info (of `model`: "target" or "draft"), once every engine is checked to serve the
+        same version, with every engine's in `engines` (each has its tensor-parallel ranks' slices under "ranks")."""
+        infos = await self._fan_out("weight_info", model)
         self._agreed_version("weight_info", [info["weight_version"] for info in infos])
         return {**infos[0], "engines": infos}
 
-    async def weight_checker(self, baseline: dict | None = None) -> dict:
+    async def weight_checker(self, baseline: dict | None = None, model: str = "target") -> dict:
         """Engine 0's report with `match` true only if every engine matches the baseline,
         `consistent` whether the engines agree on every weight they hold in common (under expert
         parallelism each holds other experts), and every report in `engines`."""
-        reports = await self._fan_out("weight_checker", baseline)
+        reports = await self._fan_out("weight_checker", baseline, model)
         combined = dict(reports[0])
         if "match" in combined:
             combined["match"] = all(r.get("match") for r in reports)

@@ -327,11 +327,12 @@ class RolloutWorker:
     def get_weight_version(self) -> str | None:
         return self._run(self.engine.get_weight_version())
 
-    def weight_info(self) -> dict:
-        return self._run(self.engine.weight_info())
+    def weight_info(self, model: str = "target") -> dict:
+        """model: "target", or "draft" (speculative decoding's draft model)."""
+        return self._run(self.engine.weight_info(model))
 
-    def weight_checker(self, baseline: dict | None = None) -> dict:
-        return self._run(self.engine.weight_checker(baseline))
+    def weight_checker(self, baseline: dict | None = None, model: str = "target") -> dict:
+        return self._run(self.engine.weight_checker(baseline, model))
 
     def reset_prefix_cache(self) -> bool:
         return self._run(self.engine.reset_prefix_cache())

@@ -7,6 +7,10 @@ itself, because an engine's init/update call returns only once the data has arri
     HTTPWeightSyncClient("http://127.0.0.1:8000")     a `rollout launch --enable-rl-routes` server
     RayWeightSyncClient([actor, ...])                  RolloutWorker Ray actors; calls fan out
     LocalWeightSyncClient(worker)                      a RolloutWorker in this process
+
+An engine that runs speculative decoding with a draft model holds two models; client.for_model("draft")
+is the same client aimed at the draft (its init_info and update_info carry "model": "draft"), so any
+backend syncs the draft: trainer_init(init_info, client=client.for_model("draft"), source=draft_module).
 """
 
 from __future__ import annotations
@@ -62,11 +66,16 @@ class WeightSyncClient(ABC):
     def get_weight_version(self) -> str | None:
         return self._call("get_weight_version")
 
-    def weight_info(self) -> dict:
-        return self._call("weight_info")
+    def weight_info(self, model: str | None = None) -> dict:
+        """model: "target" or "draft" (speculative decoding's draft model); None: the engine's default, the target."""
+        return self._call("weight_info", *_model_arg(model))
 
-    def weight_checker(self, baseline: dict | None = None) -> dict:
-        return self._call("weight_checker", baseline)
+    def weight_checker(self, baseline: dict | None = None, model: str | None = None) -> dict:
+        return self._call("weight_checker", baseline, *_model_arg(model))
+
+    def for_model(self, model: str) -> WeightSyncClient:
+        """This client aimed at one of the engine's models ("target" or "draft"): see ModelWeightSyncClient."""
+        return ModelWeightSyncClient(self, model)
 
     def pause(self, mode: str = "abort") -> None:
         self._call("pause", mode)
@@ -88,7 +97,7 @@ _POST = {
     "finish_weight_update": ("/finish_weight_update", lambda a: {"weight_version": a[0]}),
     "abort_weight_update": ("/abort_weight_update", lambda a: None),
     "shutdown_weight_transfer_engine": ("/shutdown_weight_transfer_engine", lambda a: None),
-    "weight_checker": ("/weight_checker", lambda a: {"baseline": a[0]}),
+    "weight_checker": ("/weight_checker", lambda a: {"baseline": a[0], **({"model": a[1]} if len(a) > 1 else {})}),
     "resume": ("/resume", lambda a: None),
 }
 
@@ -110,14 +119,14 @@ class HTTPWeightSyncClient(WeightSyncClient):
         if method == "get_weight_version":
             return self._get("/weight_info")["weight_version"]
         if method == "weight_info":
-            return self._get("/weight_info")
+            return self._get("/weight_info", params={"model": args[0]} if args else None)
         if method == "pause":
             return self._post("/pause", None, params={"mode": args[0]})
         path, body = _POST[method]
         return self._post(path, body(args))
 
-    def _get(self, path: str) -> Any:
-        return self._check(self._http.get(path), path)
+    def _get(self, path: str, params: dict | None = None) -> Any:
+        return self._check(self._http.get(path, params=params), path)
 
     def _post(self, path: str, body: dict | None, params: dict | None = None) -> Any:
         return self._check(self._http.post(path, json=body, params=params), path)
@@ -216,6 +225,41 @@ class RayWeightSyncClient(WeightSyncClient):
         if method == "get_weight_version" and len(set(results)) > 1:
             raise WeightSyncError(f"get_weight_version: engines disagree: {results}")
         return results[0]
+
+
+class ModelWeightSyncClient(WeightSyncClient):
+    """Another client's calls aimed at one model of the engine: init_info and update_info gain
+    {"model": model}, weight_info and weight_checker report that model; the rest pass unchanged.
+
+    The engine has one update lifecycle for its models (start and finish act on every model with a
+    transfer engine), so a sync through this client moves only this model's tensors.
+    """
+
+    def __init__(self, client: WeightSyncClient, model: str) -> None:
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"model: expected a model name such as 'draft', got {model!r}")
+        self.client = client
+        self.model = model
+
+    def num_engines(self) -> int:
+        return self.client.num_engines()
+
+    def engine_world_sizes(self) -> list[int]:
+        return self.client.engine_world_sizes()
+
+    def _call(self, method: str, *args: Any) -> Any:
+        if method in ("init_weight_transfer_engine", "update_weights"):
+            args = ({**args[0], "model": self.model}, *args[1:])
+        elif method == "weight_info":
+            args = (self.model,)
+        elif method == "weight_checker":
+            args = (args[0], self.model)
+        return self.client._call(method, *args)
+
+
+def _model_arg(model: str | None) -> tuple:
+    """The model argument of weight_info / weight_checker, left out when not given (an engine of before it takes none)."""
+    return () if model is None else (model,)
 
 
 # ---------------------------------------------------------------------------------------

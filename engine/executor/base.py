@@ -189,18 +189,19 @@ class Executor(ABC):
     def shutdown_weight_transfer_engine(self) -> None:
         self.collective_rpc("shutdown_weight_transfer_engine")
 
-    def weight_info(self) -> list[dict]:
-        """Each rank's {hf_name: {"shape", "dtype", "shard"}} (shard: the slice of the HF tensor it holds)."""
-        return self.collective_rpc("weight_info")
+    def weight_info(self, model: str = "target") -> list[dict]:
+        """Each rank's {hf_name: {"shape", "dtype", "shard"}} (shard: the slice of the HF tensor it holds)
+        of `model`: "target", or speculative decoding's "draft"."""
+        return self.collective_rpc("weight_info", (model,))
 
-    def weight_checker(self, baseline: dict | None = None) -> dict:
-        """Rank 0's checksums (and comparison), plus "ranks": [each rank's] with more than one rank.
+    def weight_checker(self, baseline: dict | None = None, model: str = "target") -> dict:
+        """Rank 0's checksums (and comparison) of `model`, plus "ranks": [each rank's] with more than one rank.
 
         baseline: {hf_name: checksum} (every rank is compared with it) or {"ranks": [one such dict
         per rank]}. "match" is true only if every rank matches its baseline.
         """
         check_rank_baseline(baseline, self.world_size)
-        combined = combine_rank_dicts(self.collective_rpc("weight_checker", (baseline,)))
+        combined = combine_rank_dicts(self.collective_rpc("weight_checker", (baseline, model)))
         if baseline is not None and self.world_size > 1:
             combined["match"] = all(r["match"] for r in combined["ranks"])
         return combined

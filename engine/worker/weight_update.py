@@ -32,6 +32,12 @@ rank holds (hf_remote_shapes) are validated like the rest (name, the full model'
 finite values: every rank accepts or rejects an update alike) and then dropped; weight_info()
 and checksums() list only the experts this rank holds, and weight_checker() does not count a
 baseline's other-rank experts as unexpected.
+
+Speculative decoding with a draft model: the worker has a second WeightUpdater, the draft's, and
+WeightUpdaters gives both one lifecycle. init_info and update_info name the model they are for
+("model": "target", the default, or "draft"); start, finish and abort act on every model with a
+transfer engine, so one update may change the target, the draft or both, and a failed transfer
+restores both.
 """
 
 from __future__ import annotations
@@ -58,6 +64,11 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 _MAX_PLANS = 64  # landing plans kept (one per recurring call: a model's packs)
+
+# The models a weight-update call may name (init_info / update_info "model", weight_info and
+# weight_checker's model): the served model, and speculative decoding's draft model.
+TARGET_MODEL, DRAFT_MODEL = "target", "draft"
+WEIGHT_MODELS = (TARGET_MODEL, DRAFT_MODEL)
 
 
 @dataclass
@@ -223,8 +234,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class WeightUpdater:
     """Owns the transfer engine, the update state and the rollback copies of one worker's model."""
 
-    def __init__(self, model: nn.Module, device: torch.device, rollback: str = "device") -> None:
+    def __init__(self, model: nn.Module, device: torch.device, rollback: str = "device",
+                 name: str = TARGET_MODEL) -> None:
         self.model = model
+        self.name = name  # which of the worker's models (WEIGHT_MODELS) this updates
         self.device = device
         self.rollback = rollback
         self.layout = hf_weight_layout(model)
@@ -552,6 +565,9 @@ class WeightUpdater:
 
     def _require_engine(self, method: str) -> WeightTransferEngine:
         if self.transfer_engine is None:
+            if self.name != TARGET_MODEL:
+                raise WeightUpdateStateError(f"{method}: the {self.name} model has no weight transfer engine; call "
+                                             f"init_weight_transfer_engine with init_info \"model\": {self.name!r} first")
             raise WeightUpdateStateError(f"{method}: no weight transfer engine; call init_weight_transfer_engine first")
         return self.transfer_engine
 
@@ -638,6 +654,95 @@ class WeightUpdater:
             aliases = [n for n, s in self.layout.items() if s.alias_of is not None]
             result.update(compare_checksums(checksums, baseline, optional=aliases, held_elsewhere=self.remote))
         return result
+
+
+class WeightUpdaters:
+    """A worker's WeightUpdaters by model (the target's, and the draft model's when speculative
+    decoding runs one) behind the worker's weight-update calls: one lifecycle for both.
+
+    Each model has its own transfer engine: init_weight_transfer_engine with init_info "model"
+    names it ("target" when absent). start_update, finish_update and abort_update act on every
+    model that has one, so one update may land tensors in either model (update_info "model")
+    and no step ever sees a half-done update of either. A transfer that fails in one model
+    ends the update and restores both. The "model" key is removed before a backend sees the dict.
+    """
+
+    def __init__(self, target: WeightUpdater, draft: WeightUpdater | None = None) -> None:
+        self.target = target
+        self.draft = draft  # None: the engine runs no draft model
+
+    def all(self) -> list[WeightUpdater]:
+        return [self.target] if self.draft is None else [self.target, self.draft]
+
+    def select(self, model: str, where: str = "model") -> WeightUpdater:
+        """The updater of `model` ("target" or "draft"); ValueError naming `where` when there is no such model."""
+        if model == TARGET_MODEL:
+            return self.target
+        if model == DRAFT_MODEL:
+            if self.draft is None:
+                raise ValueError(f"{where}: 'draft' names the draft model, but this engine has none (speculative "
+                                 "decoding with method 'draft_model' loads one); nothing was changed")
+            return self.draft
+        raise ValueError(f"{where}: expected one of {list(WEIGHT_MODELS)}, got {model!r}")
+
+    def _split(self, info, where: str) -> tuple[WeightUpdater, dict]:
+        """(the updater `info` names, info without its "model" key); a non-dict goes to the target
+        unchanged, whose backend says what is wrong with it."""
+        if not isinstance(info, dict) or "model" not in info:
+            return self.target, info
+        rest = dict(info)
+        return self.select(rest.pop("model"), f"{where}.model"), rest
+
+    def init_transfer_engine(self, init_info: dict) -> None:
+        updater, init_info = self._split(init_info, "init_info")
+        if any(u.updating for u in self.all()):  # a model joining mid-update would miss its start
+            raise WeightUpdateStateError("init_weight_transfer_engine: a weight update is in progress; finish it first")
+        updater.init_transfer_engine(init_info)
+
+    def start_update(self) -> None:
+        ready = [u for u in self.all() if u.transfer_engine is not None]
+        if not ready:
+            self.target.start_update()  # raises: no transfer engine
+        started: list[WeightUpdater] = []
+        try:
+            for updater in ready:
+                updater.start_update()
+                started.append(updater)
+        except BaseException:
+            for updater in started:
+                updater.abort_update()
+            raise
+
+    def update_weights(self, update_info: dict) -> int:
+        updater, update_info = self._split(update_info, "update_info")
+        try:
+            return updater.update_weights(update_info)
+        except WeightTransferError:  # this model's update is over and restored: so is the other's
+            for other in self.all():
+                if other is not updater:
+                    other.abort_update()
+            raise
+
+    def finish_update(self) -> None:
+        updating = [u for u in self.all() if u.updating]
+        if not updating:  # raises: no transfer engine, or no update in progress
+            ready = [u for u in self.all() if u.transfer_engine is not None]
+            (ready or [self.target])[0].finish_update()
+        for updater in updating:
+            updater.finish_update()
+
+    def abort_update(self) -> bool:
+        """Restores every model an update in progress changed; False if none was in progress."""
+        aborted = [u.abort_update() for u in self.all()]  # every one, not up to the first that was updating
+        return any(aborted)
+
+    def shutdown(self) -> None:
+        for updater in self.all():
+            updater.shutdown()
+
+    @property
+    def consistent(self) -> bool:
+        return all(u.consistent for u in self.all())
 
 
 def _check_finite(plan: _LandingPlan) -> None:

@@ -24,7 +24,7 @@ from engine.models.loader import load_hf_config, load_model
 from engine.sample import Sampler, SamplingMetadata, make_generator
 from engine.worker.model_runner import ModelRunner, forward_without_kv_writes
 from engine.worker.runner_output import ModelRunnerOutput
-from engine.worker.weight_update import WeightUpdater
+from engine.worker.weight_update import DRAFT_MODEL, TARGET_MODEL, WeightUpdater, WeightUpdaters
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +114,7 @@ class Worker:
         )
         # Built while the weights are resident: it records their shapes (sleep mode may empty them).
         self.weight_updater = WeightUpdater(self.model, self.device, config.fault_tolerance.weight_update_rollback)
+        self.weight_updaters = WeightUpdaters(self.weight_updater)  # the draft model's joins in _init_speculator
         self.draft_model: torch.nn.Module | None = None
         self.draft_proposer = None
         if config.speculative.settings is not None:
@@ -133,6 +134,8 @@ class Worker:
         draft_config = load_hf_config(spec.model)
         self.draft_model = load_model(spec.model, draft_config, self.dtype, self.device, self.config.model.load_format)
         self.attn_layers += [m for m in self.draft_model.modules() if isinstance(m, Attention)]
+        self.weight_updaters.draft = WeightUpdater(self.draft_model, self.device,
+                                                   self.config.fault_tolerance.weight_update_rollback, DRAFT_MODEL)
         self.draft_proposer = DraftModelProposer(spec, self.draft_model, draft_config.architectures[0], self.device,
                                                  runner.state, self.config.cache.block_size)
         runner.set_speculator(self.draft_proposer, spec.num_speculative_tokens)
@@ -311,35 +314,37 @@ class Worker:
         self.model_runner.reset_requests()
 
     # ---- weight updates: engine/worker/weight_update.py owns the state machine and validation ----
+    # init_info / update_info "model" (and weight_info / weight_checker's model) pick the target
+    # model (the default) or the draft model (WeightUpdaters).
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.weight_updater.init_transfer_engine(init_info)
+        self.weight_updaters.init_transfer_engine(init_info)
 
     def start_weight_update(self) -> None:
-        self.weight_updater.start_update()
+        self.weight_updaters.start_update()
 
     def update_weights(self, update_info: dict) -> int:
-        return self.weight_updater.update_weights(update_info)
+        return self.weight_updaters.update_weights(update_info)
 
     def finish_weight_update(self) -> None:
-        self.weight_updater.finish_update()
+        self.weight_updaters.finish_update()
 
     def abort_weight_update(self) -> bool:
-        return self.weight_updater.abort_update()
+        return self.weight_updaters.abort_update()
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self.weight_updater.shutdown()
+        self.weight_updaters.shutdown()
 
-    def weight_info(self) -> dict:
-        return self.weight_updater.weight_info()
+    def weight_info(self, model: str = TARGET_MODEL) -> dict:
+        return self.weight_updaters.select(model).weight_info()
 
-    def weight_checker(self, baseline: dict | None = None) -> dict:
-        """This rank's checksums; a {"ranks": [...]} baseline is read at this rank's entry."""
-        return self.weight_updater.weight_checker(baseline_for_rank(baseline, self.rank))
+    def weight_checker(self, baseline: dict | None = None, model: str = TARGET_MODEL) -> dict:
+        """This rank's checksums of `model`; a {"ranks": [...]} baseline is read at this rank's entry."""
+        return self.weight_updaters.select(model).weight_checker(baseline_for_rank(baseline, self.rank))
 
     def weights_consistent(self) -> bool:
         """False while a failed transfer that could not roll back leaves the weights a mix."""
-        return self.weight_updater.consistent
+        return self.weight_updaters.consistent
 
     def num_parameters(self) -> int:
         """Parameter elements this rank holds (a tensor-parallel shard holds about 1/tp_size of most; an

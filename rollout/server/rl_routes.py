@@ -26,12 +26,14 @@ class AbortRequestsRequest(RequestModel):
 
 class InitWeightTransferRequest(RequestModel):
     init_info: dict[str, Any]
-    """Backend settings for the engine-side receiver (JSON), e.g. {"backend": "local"}."""
+    """Backend settings for the engine-side receiver (JSON), e.g. {"backend": "local"}; with "model": "draft"
+    the receiver of speculative decoding's draft model (default "target")."""
 
 
 class UpdateWeightsRequest(RequestModel):
     update_info: dict[str, Any]
-    """One update for the receiver; for the local backend {"weights": [{"name", "dtype", "shape", "data_b64"}]}."""
+    """One update for the receiver; for the local backend {"weights": [{"name", "dtype", "shape", "data_b64"}]};
+    with "model": "draft" it lands in speculative decoding's draft model (default "target")."""
 
 
 class FinishWeightUpdateRequest(RequestModel):
@@ -47,6 +49,8 @@ class UpdateWeightVersionRequest(RequestModel):
 class WeightCheckerRequest(RequestModel):
     baseline: dict[str, Any] | None = None
     """Checksums computed trainer-side to compare against; None just reports the engine's."""
+    model: str = "target"
+    """Which model's weights: "target" (the served model) or "draft" (speculative decoding's draft model)."""
 
 
 class FaultToleranceApplyRequest(RequestModel):
@@ -135,12 +139,13 @@ def rl_router(engine, weight_transfer_backend: str | None = None) -> APIRouter:
         return {"weight_version": await engine.get_weight_version()}
 
     @router.get("/weight_info")
-    async def weight_info() -> dict:
-        return await engine.weight_info()
+    async def weight_info(model: str = "target") -> dict:  # ?model=draft: speculative decoding's draft model
+        return await engine.weight_info(model)
 
     @router.post("/weight_checker")
     async def weight_checker(body: WeightCheckerRequest | None = None) -> dict:
-        return await engine.weight_checker(body.baseline if body is not None else None)
+        body = body if body is not None else WeightCheckerRequest()
+        return await engine.weight_checker(body.baseline, body.model)
 
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict:
