@@ -154,7 +154,7 @@ def main() -> None:
         rows = {}
         for mode, config in (("plain", None), ("spec", spec)):
             llm = LLM(target, max_num_seqs=max(args.batch_sizes), max_model_len=args.max_model_len,
-                      speculative_config=config, gpu_memory_utilization=0.5)
+                      speculative_config=config, kv_cache_memory_bytes=8 << 30)
             rows[mode] = {b: run_case(llm, prompts[b], args.output_len) for b in args.batch_sizes}
             llm.engine_core.shutdown()
             del llm
