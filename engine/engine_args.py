@@ -62,7 +62,15 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
             raise ValueError(f"speculative_config: speculative decoding runs with tensor_parallel_size 1 only, got {tp_size}")
         if spec.model is not None:
             with open(os.path.join(spec.model, "config.json")) as f:
-                draft_vocab = json.load(f).get("vocab_size")
+                draft_config = json.load(f)
+            draft_vocab = draft_config.get("vocab_size")
+            draft_limit = draft_config.get("max_position_embeddings")
+            if draft_limit is not None and draft_limit < model.max_model_len:
+                # The draft reads every position the model does; past its limit it has no rotary angles.
+                raise ValueError(
+                    f"speculative_config: the draft model's max_position_embeddings ({draft_limit}) is below "
+                    f"max_model_len ({model.max_model_len}); lower max_model_len or use a draft that covers it"
+                )
             if draft_vocab != hf_config.get("vocab_size"):
                 raise ValueError(
                     f"speculative_config: the draft model's vocab_size ({draft_vocab}) differs from the model's "

@@ -75,6 +75,9 @@ def launch_command(args: argparse.Namespace) -> int:
         server_config = ServerConfig(**dataclass_kwargs(args, ServerConfig))
         served_name = server_config.served_model_name or engine_kwargs["model"]
         engine_kwargs["model"] = resolve_model(engine_kwargs["model"])
+        spec = engine_kwargs.get("speculative_config")
+        if isinstance(spec, dict) and isinstance(spec.get("model"), str):  # a built-in tiny draft, like --model
+            engine_kwargs["speculative_config"] = {**spec, "model": resolve_model(spec["model"])}
         # Validate the whole config here, so bad flags fail before any process starts.
         from engine.engine_args import create_engine_config
 
