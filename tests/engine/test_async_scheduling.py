@@ -45,6 +45,19 @@ def workload(vocab_size, stop_tokens, with_history=False):
     return prompts, params
 
 
+PROBE_PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def workload_with_stops(llm, with_history=False):
+    """(probe prompts, llm's greedy outputs for them, prompts, params): the workload whose stop tokens are
+    the 5th greedy token of each prompt, so those requests stop mid-generation."""
+    vocab = llm.engine_core.vocab_size
+    probe, _ = workload(vocab, [0] * 14)
+    greedy = llm.generate(probe, PROBE_PARAMS, use_tqdm=False)
+    prompts, params = workload(vocab, [o.outputs[0].token_ids[4] for o in greedy], with_history)
+    return probe, greedy, prompts, params
+
+
 def flatten(outputs):
     rows = []
     for out in outputs:
@@ -65,12 +78,7 @@ def test_async_outputs_equal_sync_outputs(tiny_checkpoint, num_blocks, with_hist
     if num_blocks:
         kw.update(num_gpu_blocks_override=num_blocks, max_model_len=128)
     sync_llm = make_llm(path, False, **kw)
-    vocab = sync_llm.engine_core.vocab_size
-    # Stop tokens: the 5th greedy token of each prompt, so those requests stop mid-generation.
-    probe, _ = workload(vocab, [0] * 14)
-    greedy = sync_llm.generate(probe, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    stops = [o.outputs[0].token_ids[4] for o in greedy]
-    prompts, params = workload(vocab, stops, with_history)
+    probe, _, prompts, params = workload_with_stops(sync_llm, with_history)
     expected = flatten(sync_llm.generate(prompts, params, use_tqdm=False))
     assert sync_llm.engine_core.async_scheduling is False
     sync_llm.engine_core.shutdown()
@@ -87,7 +95,7 @@ def test_async_outputs_equal_sync_outputs(tiny_checkpoint, num_blocks, with_hist
         return launch(sched)
 
     core.executor.launch_model = counting_launch
-    async_llm.generate(probe, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    async_llm.generate(probe, PROBE_PARAMS, use_tqdm=False)
     got = flatten(async_llm.generate(prompts, params, use_tqdm=False))
     stopped = [r for r in got if r[1] == 0 and r[3] == "stop"]
     assert stopped, "some requests stop on their stop token"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.test_async_scheduling import flatten, workload
+from tests.engine.test_async_scheduling import PROBE_PARAMS, flatten, workload_with_stops
 
 
 def make_llm(path, speculative_config=None, **kw):
@@ -46,11 +46,7 @@ def test_speculative_outputs_equal_plain_outputs(tiny_checkpoint, method, num_bl
     path = tiny_checkpoint("llama")
     kw = {"num_gpu_blocks_override": num_blocks, "max_model_len": 128} if num_blocks else {}
     plain = make_llm(path, **kw)
-    vocab = plain.engine_core.vocab_size
-    probe, _ = workload(vocab, [0] * 14)
-    greedy = plain.generate(probe, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    stops = [o.outputs[0].token_ids[4] for o in greedy]
-    prompts, params = workload(vocab, stops, with_history)
+    probe, greedy, prompts, params = workload_with_stops(plain, with_history)
     expected = flatten(plain.generate(prompts, params, use_tqdm=False))
     plain.engine_core.shutdown()
 
@@ -60,7 +56,7 @@ def test_speculative_outputs_equal_plain_outputs(tiny_checkpoint, method, num_bl
         config = {"method": "draft_model", "num_speculative_tokens": 3,
                   "model": path if method == "draft_same" else tiny_checkpoint("qwen3")}
     spec = make_llm(path, config, **kw)
-    spec_greedy = spec.generate(probe, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    spec_greedy = spec.generate(probe, PROBE_PARAMS, use_tqdm=False)
     assert_same_outputs(flatten(spec_greedy), flatten(greedy))
     got = flatten(spec.generate(prompts, params, use_tqdm=False))
     assert_same_outputs(got, expected)
