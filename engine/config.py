@@ -34,6 +34,8 @@ class ModelConfig:
     """Never capture CUDA graphs: decode steps run eagerly too (GPU only; CPU is always eager)."""
     load_format: LoadFormat = "auto"
     """auto: read the checkpoint's *.safetensors; dummy: random weights of the config's shapes, nothing read (benchmarks, weight-sync targets)."""
+    batch_invariant: bool = False
+    """GPU: one fixed-tile GEMM for every linear layer and one attention tile shape for every row, so a token's logits do not depend on the other rows of its step (a request gives the same tokens alone, in any batch, and with or without speculative decoding, in bf16 too). Slower; engine/kernels/batch_invariant.py."""
 
     def __post_init__(self) -> None:
         if self.tokenizer is None:

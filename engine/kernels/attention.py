@@ -21,7 +21,7 @@ import torch
 
 from engine.attention import torch_ref
 from engine.attention.metadata import AttentionMetadata
-from engine.kernels import next_power_of_2, use_triton
+from engine.kernels import batch_invariant, next_power_of_2, use_triton
 
 try:
     import triton
@@ -207,7 +207,7 @@ _MAX_SPLITS = 16
 
 
 def _num_splits(max_query_len: int, num_programs: int) -> int:
-    if max_query_len > 1 or num_programs >= _TARGET_PROGRAMS // 2:
+    if max_query_len > 1 or num_programs >= _TARGET_PROGRAMS // 2 or batch_invariant.batch_invariant():
         return 1
     return min(_MAX_SPLITS, next_power_of_2(-(-_TARGET_PROGRAMS // num_programs)))
 
@@ -222,7 +222,11 @@ LONGEST_FIRST = True
 
 
 def _tile_config(max_query_len: int, group: int, head_size: int) -> dict:
-    """Tile shape per shape class: decode-only steps, or steps with prefill rows."""
+    """Tile shape per shape class: decode-only steps, or steps with prefill rows (batch-invariant mode: one
+    shape for all, so a token's attention does not depend on the rows beside it)."""
+    if batch_invariant.batch_invariant():
+        return dict(BLOCK_M=max(16, next_power_of_2(group)), BLOCK_N=batch_invariant.ATTENTION_BLOCK_N if head_size <= 128
+                    else 32, num_warps=4, num_stages=2)
     if max_query_len <= 1:
         block_m = max(16, next_power_of_2(group))
         cfg = dict(DECODE_CONFIG)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import cdiv, next_power_of_2, use_triton
+from engine.kernels import batch_invariant, cdiv, next_power_of_2, use_triton
 
 try:
     import triton
@@ -259,7 +259,10 @@ def _kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); the small-M Triton kernel for few-row CUDA inputs, F.linear otherwise."""
+    """F.linear(x, weight, bias); the small-M Triton kernel for few-row CUDA inputs, F.linear otherwise
+    (the fixed-tile GEMM of engine/kernels/batch_invariant.py for every CUDA call when that mode is on)."""
+    if batch_invariant.applies(x, weight):
+        return batch_invariant.linear_invariant(x, weight, bias)
     if not (use_triton(x) and _kernel_applies(x, weight, bias)):
         return linear_ref(x, weight, bias)
     lead = x.shape[:-1]

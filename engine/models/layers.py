@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_gather, all_reduce, get_tp
+from engine.kernels import batch_invariant
 from engine.kernels.activation import silu_and_mul
 from engine.kernels.gemv import linear
 from engine.kernels.norm import rms_norm
@@ -368,7 +369,10 @@ class LMHead(nn.Module):
             self.weight, _, _ = _vocab_parallel_weight(num_embeddings, embedding_dim)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab]; see the class docstring for dtype
-        logits = F.linear(hidden, self.weight)  # [N, padded vocab / tp]
+        if batch_invariant.applies(hidden, self.weight):
+            logits = batch_invariant.linear_invariant(hidden, self.weight)  # [N, padded vocab / tp]
+        else:
+            logits = F.linear(hidden, self.weight)  # [N, padded vocab / tp]
         on_gpu = logits.is_cuda
         if not on_gpu:
             logits = logits.float()  # no copy for a float32 model

@@ -19,6 +19,7 @@ from engine.distributed.parallel_state import (
     init_tensor_parallel,
 )
 from engine.executor.base import baseline_for_rank
+from engine.kernels.batch_invariant import set_batch_invariant
 from engine.kernels.sampling import gumbel_row_classes
 from engine.models.loader import load_hf_config, load_model
 from engine.sample import Sampler, SamplingMetadata, make_generator
@@ -99,6 +100,7 @@ class Worker:
                 f"tcp://{parallel.data_parallel_master_ip}:{parallel.data_parallel_master_port + 1}", backend=backend,
             )
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        set_batch_invariant(config.model.batch_invariant)  # process-wide, like the attention backend
         torch.manual_seed(config.model.seed)
 
         self.hf_config = load_hf_config(config.model.model)

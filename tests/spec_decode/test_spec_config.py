@@ -145,3 +145,20 @@ def test_launch_resolves_a_built_in_tiny_draft_name(capsys):
     assert main(["launch", "--model", "tiny-llama", "--speculative-config", spec, "--tensor-parallel-size", "2"]) == 2
     err = capsys.readouterr().err
     assert "tensor_parallel_size 1 only" in err and "checkpoint directory" not in err
+
+
+def test_batch_invariant_mode_is_a_no_op_on_cpu(tiny_checkpoint):
+    """The flag is accepted everywhere; on CPU tensors (the torch reference path) the invariant GEMM never applies."""
+    import torch
+
+    from engine.kernels import batch_invariant
+
+    llm = make_llm(tiny_checkpoint("llama"), NGRAM, batch_invariant=True)
+    try:
+        assert batch_invariant.batch_invariant()
+        assert not batch_invariant.applies(torch.ones(2, 3), torch.ones(4, 3))
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.engine_core.shutdown()
+        batch_invariant.set_batch_invariant(False)
