@@ -236,7 +236,7 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            drafts = self._schedulable_drafts(request)
+            drafts = request.spec_token_ids and self._schedulable_drafts(request)  # [] without speculation
             num_new = min(
                 request.num_tokens_with_placeholders + len(drafts) - request.num_computed_tokens,
                 token_budget,
@@ -245,7 +245,7 @@ class Scheduler:
             if num_new <= 0 or self._ends_in_flight(request):  # nothing to compute before its samples come back
                 req_index += 1
                 continue
-            lookahead = self._lookahead(request.num_computed_tokens + num_new)
+            lookahead = self._lookahead(request.num_computed_tokens + num_new) if self.num_lookahead_tokens else 0
             while (blocks := kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)) is None:
                 victim = self.waiting.preemption_victim(self.running)
                 victim_index = self.running.index(victim)
@@ -277,7 +277,7 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new > token_budget:
                 break
             num_new = min(num_new, token_budget)
-            lookahead = self._lookahead(num_hit_tokens + num_new)
+            lookahead = self._lookahead(num_hit_tokens + num_new) if self.num_lookahead_tokens else 0
             if kv.allocate_slots(request, num_new, hit_blocks, num_hit_tokens, num_lookahead_tokens=lookahead) is None:
                 break
             self.waiting.pop()

@@ -309,8 +309,8 @@ class ModelRunner:
         counts = np.array([len(d) + 1 for d in drafts], dtype=np.int64)  # samples per row
         firsts = np.cumsum(counts) - counts
         ends = batch.query_start_loc[1:][rows].astype(np.int64)  # one past each row's last token
-        logits_indices = np.repeat(ends - counts, counts) + np.arange(int(counts.sum())) - np.repeat(firsts, counts)
         offsets = np.arange(int(counts.sum())) - np.repeat(firsts, counts)  # [S] 0..d per row
+        logits_indices = np.repeat(ends - counts, counts) + offsets  # each row's last d + 1 tokens
         logits = self.model.compute_logits(hidden[self._h2d(torch.from_numpy(logits_indices))])
         entry_rows = np.repeat(rows, counts)
         out = self.sampler(logits, self._sampling_metadata(batch, entry_rows, offsets))
