@@ -75,6 +75,16 @@ class SpecDecodingStats:
         for i in range(num_accepted_tokens):
             self.num_accepted_tokens_per_pos[i] += 1
 
+    def add(self, other: SpecDecodingStats) -> None:
+        """Adds another interval's counts (positions past this one's count are appended)."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (len(other.num_accepted_tokens_per_pos) - len(per_pos)))
+        for pos, num_accepted in enumerate(other.num_accepted_tokens_per_pos):
+            per_pos[pos] += num_accepted
+
 
 @dataclass
 class SchedulerStats:

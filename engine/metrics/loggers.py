@@ -86,14 +86,7 @@ class LoggingStatLogger(StatLoggerBase):
         if self.spec_decoding is None:  # speculation the config did not announce: report it from now on
             self.num_spec_tokens = stats.num_spec_tokens
             self.spec_decoding = SpecDecodingStats(self.num_spec_tokens)
-        total = self.spec_decoding
-        total.num_drafts += stats.num_drafts
-        total.num_draft_tokens += stats.num_draft_tokens
-        total.num_accepted_tokens += stats.num_accepted_tokens
-        per_pos = total.num_accepted_tokens_per_pos
-        per_pos.extend([0] * (len(stats.num_accepted_tokens_per_pos) - len(per_pos)))
-        for pos, num_accepted in enumerate(stats.num_accepted_tokens_per_pos):
-            per_pos[pos] += num_accepted
+        self.spec_decoding.add(stats)
 
     def log(self) -> None:
         now = time.monotonic()

@@ -152,8 +152,7 @@ def reconfigure_worker(worker, plan: dict) -> None:
     if updater.updating:
         raise RuntimeError("reconfigure_elastic_ep: a weight update is in progress; finish or abort it first")
     backend = "nccl" if worker.device.type == "cuda" else "gloo"
-    runner = worker.model_runner
-    runner.cuda_graphs = None  # they recorded the old expert tensors and the old forward path
+    worker.drop_cuda_graphs()  # they recorded the old expert tensors and the old forward path
     modules = fused_experts_modules(model)
     num_experts = modules[0].num_experts if modules else 0
 
@@ -183,4 +182,4 @@ def reconfigure_worker(worker, plan: dict) -> None:
     updater._plans, updater._plans_for = {}, ()
     if updater.transfer_engine is not None:
         updater.transfer_engine.bind_model(model)
-    runner.capture_cuda_graphs()  # every rank at once (a no-op on CPU)
+    worker.capture_cuda_graphs()  # every rank at once (a no-op on CPU)

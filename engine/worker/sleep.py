@@ -50,10 +50,7 @@ class WorkerSleeper:
         if level == 0 or self.asleep:
             return
         start = time.perf_counter()
-        self.worker.model_runner.cuda_graphs = None  # they point at the memory freed below
-        draft = getattr(self.worker, "draft_proposer", None)
-        if draft is not None:  # a draft model's graphs read its KV cache, freed below too (its weights stay)
-            draft.cuda_graphs = None
+        self.worker.drop_cuda_graphs()  # they point at the memory freed below (a draft model's weights stay)
         if level == 1 and self.device.type != "cpu":
             self._offload_weights()
         elif level == 2:
@@ -101,13 +98,7 @@ class WorkerSleeper:
             self._allocate_kv_cache()
         self.asleep -= woke
         if woke and not self.asleep:
-            runner = self.worker.model_runner
-            capture = getattr(runner, "capture_cuda_graphs", None)
-            if capture is not None:
-                capture()
-            draft = getattr(self.worker, "draft_proposer", None)
-            if draft is not None and getattr(runner, "cuda_graphs", None) is not None:
-                draft.capture_cuda_graphs(self.worker.config.scheduler.max_num_seqs, runner.max_num_blocks_per_req)
+            self.worker.capture_cuda_graphs()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if woke:

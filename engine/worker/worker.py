@@ -187,11 +187,21 @@ class Worker:
             num_blocks, block_size, num_blocks * self.kv_bytes_per_block / 2**20,
         )
         # Graphs record the KV tensors' addresses, so they are captured after allocation.
-        self.model_runner.capture_cuda_graphs()
-        if self.draft_proposer is not None and self.model_runner.cuda_graphs is not None:
-            self.draft_proposer.capture_cuda_graphs(self.config.scheduler.max_num_seqs,
-                                                    self.model_runner.max_num_blocks_per_req)
+        self.capture_cuda_graphs()
         self._warm_up_kernels()
+
+    def capture_cuda_graphs(self) -> None:
+        """The model's graphs, and the draft model's when the model's were captured (both read the KV cache)."""
+        runner = self.model_runner
+        runner.capture_cuda_graphs()
+        if self.draft_proposer is not None and runner.cuda_graphs is not None:
+            self.draft_proposer.capture_cuda_graphs(self.config.scheduler.max_num_seqs, runner.max_num_blocks_per_req)
+
+    def drop_cuda_graphs(self) -> None:
+        """Forgets both models' graphs (before the KV memory they point at is freed)."""
+        self.model_runner.cuda_graphs = None
+        if self.draft_proposer is not None:
+            self.draft_proposer.cuda_graphs = None
 
     # ---- kernel warm-up: every Triton variant compiles before serving, not during a timed step ----
 
