@@ -92,16 +92,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Renders each conversation with the tokenizer's chat template, then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(
-                conversation,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                **(chat_template_kwargs or {}),
-            )
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        prompts = [
+            {"messages": conversation, "add_generation_prompt": add_generation_prompt,
+             "chat_template_kwargs": chat_template_kwargs}
+            for conversation in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _add_request(self, prompt_text: str | None, request) -> None:
@@ -136,8 +131,8 @@ class LLM:
         return [finished[r] for r in req_ids]
 
     def abort(self, req_ids: list[str]) -> None:
-        self.stat_loggers.on_requests_aborted(req_ids)
         child_ids = self.output_processor.abort_requests(req_ids)
+        self.stat_loggers.on_requests_aborted(child_ids)
         self.engine_client.abort_requests(list(child_ids) if child_ids else req_ids)
 
     def reset_prefix_cache(self) -> bool:

@@ -313,11 +313,14 @@ class OutputProcessor:
             parent = self.parent_requests.pop(req_id, None)
             for child_id in parent.child_req_ids if parent is not None else [req_id]:
                 state = self.request_states.pop(child_id, None)
-                if state is not None:
-                    removed.append(child_id)
-                    if state.parent is not None and not any(
-                        c in self.request_states for c in state.parent.child_req_ids
-                    ):
+                if state is None:
+                    continue
+                removed.append(child_id)
+                # A parent lives while a child is unfinished: O(1) per child, so aborting a
+                # parent of n children costs O(n), not O(n^2).
+                if state.parent is not None:
+                    state.parent.unfinished_indices.discard(state.index)
+                    if state.parent.finished:
                         self.parent_requests.pop(state.parent.request_id, None)
         return removed
 

@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from enum import IntEnum
 
 import msgspec
 
 _GREEDY_EPS = 1e-5
+# Every integer a request carries must fit in int64: it crosses msgspec and lands in torch tensors.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _check_int64(name: str, value: int | None) -> None:
+    if value is not None and not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name} must fit in 64 bits, got {value}")
+
+
+def _check_finite(name: str, value: float) -> None:
+    # NaN slips through every range check (all comparisons are false); infinity through one-sided ones.
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
 
 
 class RequestOutputKind(IntEnum):
@@ -26,6 +40,8 @@ class RepetitionDetectionParams(msgspec.Struct, frozen=True):
     min_pattern_size: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("max_pattern_size", "min_count", "min_pattern_size"):
+            _check_int64(f"repetition_detection.{name}", getattr(self, name))
         if self.min_pattern_size < 1:
             raise ValueError(f"repetition_detection.min_pattern_size must be >= 1, got {self.min_pattern_size}")
         if self.max_pattern_size < self.min_pattern_size:
@@ -74,6 +90,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self._check_bounded()
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -108,11 +125,22 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError("allowed_token_ids must not be empty")
         if not isinstance(self.return_routed_experts, bool):
             raise ValueError(f"return_routed_experts must be a bool, got {self.return_routed_experts!r}")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
-            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         if self.temperature < _GREEDY_EPS:
             # Greedy: sampling-only knobs are meaningless, as in vLLM.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _check_bounded(self) -> None:
+        """Every float finite and every integer within int64, before any range check reads them."""
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
+            _check_finite(name, getattr(self, name))
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+            _check_int64(name, getattr(self, name))
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            for token_id in getattr(self, name) or ():
+                _check_int64(name, token_id)
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check_int64("logit_bias", token_id)
+            _check_finite(f"logit_bias[{token_id}]", bias)
 
     @property
     def greedy(self) -> bool:

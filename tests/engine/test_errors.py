@@ -28,6 +28,22 @@ def llm(tiny_checkpoint):
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"logprobs": -1}, "logprobs"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        # Non-finite floats pass every range check (NaN compares false to everything): refused by name.
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"logit_bias": {5: float("nan")}}, r"logit_bias\[5\]"),
+        ({"logit_bias": {5: float("-inf")}}, r"logit_bias\[5\]"),
+        # Integers past 64 bits never reach msgspec or torch.
+        ({"max_tokens": 2**64}, "max_tokens"),
+        ({"top_k": 2**70}, "top_k"),
+        ({"n": 2**64}, "n"),
+        ({"stop_token_ids": [2**64]}, "stop_token_ids"),
+        ({"logit_bias": {2**64: 1.0}}, "logit_bias"),
+        ({"seed": -(2**63) - 1}, "seed"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(kwargs, field):
@@ -67,3 +83,26 @@ def test_bad_engine_args_name_the_field(tiny_checkpoint):
         LLM(path, dtype="int3", device="cpu")
     with pytest.raises(ValueError, match="model"):
         LLM("/nonexistent/dir", device="cpu")
+
+
+def test_what_the_engine_cannot_hold_is_refused_before_any_work(llm):
+    good = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(ValueError, match="n must be at most max_num_seqs=256"):
+        llm.generate("hi", SamplingParams(n=257), use_tqdm=False)
+    # Far more characters than max_model_len tokens can spell: refused from its length, untokenized.
+    with pytest.raises(ValueError, match="characters cannot fit max_model_len=64"):
+        llm.generate("word " * 1_000_000, good, use_tqdm=False)
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate("hi", good, priority=[2**64], use_tqdm=False)
+    assert not llm.engine_core.has_unfinished_requests()
+
+
+def test_text_that_is_not_valid_unicode_is_refused_by_name(llm):
+    good = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(ValueError, match="prompt: not valid text"):
+        llm.generate("\ud800abc", good, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt: not valid text"):
+        llm.chat([{"role": "user", "content": "hi \udfff"}], good, use_tqdm=False)
+    with pytest.raises(ValueError, match="bad_words: not valid text"):
+        llm.generate("hi", SamplingParams(bad_words=["\ud800"]), use_tqdm=False)
+    assert llm.generate("\U0001f600", good, use_tqdm=False)[0].outputs[0].finish_reason == "length"

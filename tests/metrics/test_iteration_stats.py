@@ -71,7 +71,7 @@ def test_frontend_stopped_and_aborted_requests():
     it = rec.on_engine_outputs(step(2.0, EngineCoreOutput("s", [], finish_reason=FinishReason.ABORT)), now=2.0)
     assert it.finished_requests == []
 
-    rec.on_requests_aborted(["p"])  # a parent id drops its children
+    rec.on_requests_aborted(["0_p", "1_p", "unknown"])  # engine ids; unknown ones are ignored
     assert rec.requests == {}
 
 

@@ -237,6 +237,28 @@ def test_abort_parent_expands_to_children(tokenizer):
     assert proc.process_outputs([EngineCoreOutput("0_req", [70])]).request_outputs == []
 
 
+def test_aborting_a_parent_or_its_children_one_by_one_forgets_everything(tokenizer):
+    """A parent of many children: aborted whole, or child by child (the last one forgets the parent),
+    after some children finished normally."""
+    n = 4096
+    proc = OutputProcessor(tokenizer)
+    parent = ParentRequest("big", SamplingParams(n=n, max_tokens=4, output_kind=RequestOutputKind.FINAL_ONLY))
+    request = EngineCoreRequest("big", [1, 2, 3], parent.sampling_params, eos_token_id=None, arrival_time=0.0)
+    for index, child in enumerate(parent.make_child_requests(request)):
+        proc.add_request(child, None, parent, index)
+    assert len(proc.abort_requests(["big"])) == n and not proc.has_unfinished_requests()
+    assert proc.parent_requests == {}
+
+    parent = ParentRequest("p", SamplingParams(n=3, max_tokens=4, output_kind=RequestOutputKind.FINAL_ONLY))
+    request = EngineCoreRequest("p", [1, 2, 3], parent.sampling_params, eos_token_id=None, arrival_time=0.0)
+    for index, child in enumerate(parent.make_child_requests(request)):
+        proc.add_request(child, None, parent, index)
+    proc.process_outputs([EngineCoreOutput("0_p", [7], finish_reason=FinishReason.LENGTH)])
+    assert proc.abort_requests(["1_p"]) == ["1_p"] and "p" in proc.parent_requests
+    assert proc.abort_requests(["2_p"]) == ["2_p"] and proc.parent_requests == {}
+    assert not proc.has_unfinished_requests()
+
+
 def test_duplicate_request_id_rejected(tokenizer):
     proc = OutputProcessor(tokenizer)
     add(proc)
