@@ -17,7 +17,13 @@ from engine.config import EngineConfig
 from engine.control import PauseMode
 from engine.core_client import EngineCoreClient, EngineUtilityError, check_fault_tolerance_instruction
 from engine.engine_args import create_engine_config
-from engine.exceptions import EngineDeadError, EngineNotReadyError, MaxQueuedTokensError, QueueOverflowError
+from engine.exceptions import (
+    AdmissionError,
+    EngineDeadError,
+    EngineNotReadyError,
+    MaxQueuedTokensError,
+    QueueOverflowError,
+)
 from engine.metrics.loggers import StatLoggerManager
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -26,6 +32,20 @@ from engine.sampling_params import SamplingParams
 from engine.wire import EngineCoreOutput, EngineCoreRequest, EngineStatus, FinishReason
 
 logger = logging.getLogger(__name__)
+
+
+class Admission:
+    """Places in an engine's queue taken by AsyncLLM.admit for requests not yet tokenized; release() gives
+    them back (the request then counts as queued, or is gone). Releasing more than is held is a no-op."""
+
+    def __init__(self, llm: AsyncLLM, num_requests: int) -> None:
+        self.llm = llm
+        self.num_held = num_requests
+
+    def release(self, num_requests: int | None = None) -> None:
+        num = self.num_held if num_requests is None else min(num_requests, self.num_held)
+        self.num_held -= num
+        self.llm._num_admitting -= num
 
 
 class AsyncLLM:
@@ -48,6 +68,8 @@ class AsyncLLM:
         self._streams: dict[str, asyncio.Queue] = {}  # user request id -> its outputs
         # Engine requests admitted but not yet scheduled (no output yet): id -> prompt tokens.
         self._queued: dict[str, int] = {}
+        self._num_queued_tokens = 0  # sum(_queued.values()), kept up to date
+        self._num_admitting = 0  # engine requests admitted and being tokenized (not in _queued yet)
         self._output_task: asyncio.Task | None = None
         self._dead: BaseException | None = None
         self.engine_status = EngineStatus.HEALTHY  # the last status the engine pushed (fault tolerance)
@@ -65,12 +87,15 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        admission: Admission | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs (per sampling_params.output_kind) until it finishes.
 
         Bad input raises ValueError before anything reaches the engine; a full queue raises
         an AdmissionError; a dead engine raises EngineDeadError. Leaving the loop early
         (break, cancellation, a client disconnect) aborts the request in the engine.
+        `admission`: the place admit() already took for it (a server takes it on arrival, before
+        it starts this generator); None takes one here.
         """
         self._ensure_output_handler()
         if self._dead is not None:
@@ -78,11 +103,18 @@ class AsyncLLM:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        loop = asyncio.get_running_loop()
-        text, request = await loop.run_in_executor(
-            self._pool, self.processor.process, request_id, prompt, sampling_params, priority
-        )
-        self.check_admission(request)
+        # Admission comes first, from counts alone: a refusal never waits behind tokenization.
+        self.processor.check_params(sampling_params, priority)
+        num_children = sampling_params.n
+        admission = admission if admission is not None else self.admit(num_children)
+        try:
+            loop = asyncio.get_running_loop()
+            text, request = await loop.run_in_executor(
+                self._pool, self.processor.process, request_id, prompt, sampling_params, priority
+            )
+        finally:
+            admission.release(num_children)  # from here on the request counts in _queued
+        self.check_admission(0, num_children * len(request.prompt_token_ids))
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         finished = False
@@ -103,28 +135,52 @@ class AsyncLLM:
             if not finished and self._dead is None:
                 await self.abort(request_id)
 
-    def check_admission(self, request: EngineCoreRequest) -> None:
-        """Refuses (HTTP 503) when the engine's queue is at its configured limit."""
+    def admit(self, num_requests: int) -> Admission:
+        """Takes `num_requests` places in the queue now, or raises AdmissionError (HTTP 503).
+
+        A request counts as queued from its arrival: a burst that arrives before any of it is
+        tokenized cannot all pass, and a refusal is decided before any work is spent on it.
+        """
+        self.check_admission(num_requests)
+        self._num_admitting += num_requests
+        return Admission(self, num_requests)
+
+    def check_admission(self, num_requests: int, num_prompt_tokens: int = 0) -> None:
+        """Refuses (HTTP 503) `num_requests` more engine requests, or `num_prompt_tokens` more queued
+        prompt tokens, when the engine's queue would pass its configured limit."""
+        refusal = self.admission_refusal(num_requests, num_prompt_tokens)
+        if refusal is not None:
+            self.stat_loggers.record_admission_rejection(refusal.reason)
+            raise refusal
+
+    def admission_refusal(self, num_requests: int, num_prompt_tokens: int = 0) -> AdmissionError | None:
+        """What check_admission would raise (None: admitted), without recording it."""
         limits = self.config.admission
-        num_children = request.sampling_params.n
-        if limits.max_num_queued_reqs is not None and len(self._queued) + num_children > limits.max_num_queued_reqs:
-            self.stat_loggers.record_admission_rejection(QueueOverflowError.reason)
-            raise QueueOverflowError(
-                f"{len(self._queued)} requests are queued (max_num_queued_reqs={limits.max_num_queued_reqs})"
+        num_queued = len(self._queued) + self._num_admitting
+        if limits.max_num_queued_reqs is not None and num_queued + num_requests > limits.max_num_queued_reqs:
+            return QueueOverflowError(
+                f"{num_queued} requests are queued (max_num_queued_reqs={limits.max_num_queued_reqs})"
             )
-        if limits.max_num_queued_tokens is not None:
-            queued_tokens = sum(self._queued.values())
-            if queued_tokens + num_children * len(request.prompt_token_ids) > limits.max_num_queued_tokens:
-                self.stat_loggers.record_admission_rejection(MaxQueuedTokensError.reason)
-                raise MaxQueuedTokensError(
-                    f"{queued_tokens} prompt tokens are queued (max_num_queued_tokens={limits.max_num_queued_tokens})"
-                )
+        # Before tokenization a request counts as one token: only a queue already at its limit refuses.
+        limit = limits.max_num_queued_tokens
+        if limit is not None and self._num_queued_tokens + max(num_prompt_tokens, 1) > limit:
+            return MaxQueuedTokensError(
+                f"{self._num_queued_tokens} prompt tokens are queued (max_num_queued_tokens={limit})"
+            )
+        return None
+
+    def _dequeue(self, engine_id: str) -> None:
+        """The engine request left the queue (scheduled, finished or aborted)."""
+        num_tokens = self._queued.pop(engine_id, None)
+        if num_tokens is not None:
+            self._num_queued_tokens -= num_tokens
 
     async def _add_request(self, prompt_text: str | None, request: EngineCoreRequest) -> None:
         parent_id = request.request_id if request.sampling_params.n > 1 else None
         engine_requests = self.output_processor.add_user_request(request, prompt_text)
         for child in engine_requests:
             self._queued[child.request_id] = len(child.prompt_token_ids)
+            self._num_queued_tokens += len(child.prompt_token_ids)
             self.stat_loggers.on_request_added(
                 child.request_id, child.arrival_time, len(child.prompt_token_ids), parent_id
             )
@@ -136,7 +192,7 @@ class AsyncLLM:
         req_ids = [request_id] if isinstance(request_id, str) else list(request_id)
         engine_ids = self.output_processor.abort_requests(req_ids)
         for engine_id in engine_ids:
-            self._queued.pop(engine_id, None)
+            self._dequeue(engine_id)
         self.stat_loggers.on_requests_aborted(engine_ids)
         if engine_ids and self._dead is None:
             await self.engine_core.abort_requests_async(engine_ids)
@@ -155,7 +211,7 @@ class AsyncLLM:
                 if engine_outputs.engine_status is not None:
                     self.engine_status = engine_outputs.engine_status
                 for out in engine_outputs.outputs:
-                    self._queued.pop(out.request_id, None)
+                    self._dequeue(out.request_id)
                 processed = self.output_processor.process_outputs(engine_outputs.outputs, engine_outputs.weight_version)
                 for request_output in processed.request_outputs:
                     stream = self._streams.get(request_output.request_id)
@@ -214,12 +270,14 @@ class AsyncLLM:
     @staticmethod
     def _local_error(remote: str) -> Exception:
         """The local form of a remote "ExcType: message" failure: ValueError (and subclasses),
-        EngineNotReadyError and WeightTransferError keep their meaning; anything else stays an EngineUtilityError."""
+        EngineNotReadyError, WeightTransferError and PeerTimeoutError keep their meaning; anything else stays an EngineUtilityError."""
         name, _, message = remote.partition(": ")
         if name == EngineNotReadyError.__name__:
             return EngineNotReadyError(message)
         if name == engine_exceptions.WeightTransferError.__name__:
             return engine_exceptions.WeightTransferError(message)
+        if name == engine_exceptions.PeerTimeoutError.__name__:
+            return engine_exceptions.PeerTimeoutError(message)
         cls = getattr(builtins, name, None) or getattr(engine_exceptions, name, None)
         if isinstance(cls, type) and issubclass(cls, ValueError):
             return ValueError(message)
@@ -309,7 +367,7 @@ class AsyncLLM:
             if stream is not None:
                 stream.put_nowait(request_output)
         for engine_id in engine_ids:
-            self._queued.pop(engine_id, None)
+            self._dequeue(engine_id)
         self.stat_loggers.on_requests_aborted(engine_ids)
         if self._dead is None:
             await self.engine_core.abort_requests_async(engine_ids)

@@ -53,3 +53,10 @@ class WeightUpdateStateError(ValueError, RuntimeError):
 
 class WeightTransferError(RuntimeError):
     """A weight transfer failed mid-way (peer gone, timeout): the update was aborted and the previous weights restored."""
+
+
+class PeerTimeoutError(TimeoutError):
+    """A peer the engine waits on (a weight-transfer rendezvous: the trainer's store or group) did not
+    answer within its timeout; nothing changed in the engine (HTTP 504, the message names the peer)."""
+
+    http_status = 504

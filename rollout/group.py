@@ -41,7 +41,7 @@ from typing import Any, get_args
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.async_llm import AsyncLLM
+from engine.async_llm import Admission, AsyncLLM
 from engine.control import PauseMode
 from engine.engine_args import create_engine_config
 from engine.exceptions import EngineDeadError
@@ -137,6 +137,7 @@ class RolloutGroup:
         self.config = self.engines[0].config
         self.model_name = model_name or self.engines[0].model_name
         self.tokenizer = self.engines[0].tokenizer
+        self.processor = self.engines[0].processor  # its prompt checks and chat template; read-only, shared
         self.balancer = LoadBalancer(len(self.engines), self.config.cache.block_size)
         self.coordinator = Coordinator(len(self.engines))
         for index, engine in enumerate(self.engines):
@@ -231,10 +232,19 @@ class RolloutGroup:
         sampling_params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        admission: Admission | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """AsyncLLM.generate on the engine the balancer picks; leaving early aborts the request there."""
+        """AsyncLLM.generate on the engine the balancer picks; leaving early aborts the request there.
+
+        `admission`: as in AsyncLLM.generate (from this group's admit()); None takes one here."""
         request_id = request_id or f"req-{next(self._ids)}"
-        routed_prompt, token_ids = await self._tokenized(prompt)
+        self.processor.check_params(sampling_params, priority)  # before any tokenization
+        admission = admission if admission is not None else self.admit(sampling_params.n)
+        try:
+            routed_prompt, token_ids = await self._tokenized(prompt)
+        except BaseException:
+            admission.release(sampling_params.n)
+            raise
         # No await between the check and the claim: the id is unique across all engines.
         if request_id in self._owners:
             raise ValueError(f"request_id: {request_id!r} is already running")
@@ -245,7 +255,8 @@ class RolloutGroup:
         index = self.balancer.pick(token_ids, cost, live, self.coordinator.num_waiting())
         self._owners[request_id] = index
         self.balancer.started(index, cost, token_ids)
-        outputs = self.engines[index].generate(routed_prompt, sampling_params, request_id, priority)
+        # The engine's generate releases the place (it may be another engine's: it is only held until tokenized).
+        outputs = self.engines[index].generate(routed_prompt, sampling_params, request_id, priority, admission)
         try:
             async for out in outputs:
                 yield out
@@ -256,16 +267,12 @@ class RolloutGroup:
 
     async def _tokenized(self, prompt: PromptType) -> tuple[PromptType, list[int] | None]:
         """(the prompt to send, its token ids): text is tokenized once here, for routing, and sent
-        as {"prompt", "prompt_token_ids"} so the engine does not tokenize it again. Anything
-        malformed goes as given (the engine names what is wrong) with no ids."""
+        as {"prompt", "prompt_token_ids"} so the engine does not tokenize it again (a conversation is
+        rendered here too). The engine's processor does it, so its checks apply (ValueError)."""
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
             return prompt, prompt["prompt_token_ids"]
-        if isinstance(prompt, dict) and set(prompt) == {"prompt"}:
-            prompt = prompt["prompt"]
-        if isinstance(prompt, str):
-            token_ids = await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens=True)
-            return {"prompt": prompt, "prompt_token_ids": token_ids}, token_ids
-        return prompt, None
+        text, token_ids = await asyncio.to_thread(self.processor.tokenize, prompt)
+        return {"prompt": text, "prompt_token_ids": token_ids}, token_ids
 
     def _cost(self, token_ids: list[int] | None, params: SamplingParams) -> int:
         num_prompt = len(token_ids) if token_ids else 0
@@ -475,6 +482,24 @@ class RolloutGroup:
         )
         combined["engines"] = reports
         return combined
+
+    def admit(self, num_requests: int) -> Admission:
+        """AsyncLLM.admit on a routable engine with room; AdmissionError (HTTP 503) when none has."""
+        self.check_admission(num_requests)
+        engines = self.engines[:self.num_routable]
+        engine = next((e for e in engines if e.admission_refusal(num_requests) is None), engines[0])
+        return engine.admit(num_requests)
+
+    def check_admission(self, num_requests: int, num_prompt_tokens: int = 0) -> None:
+        """AdmissionError (HTTP 503) when no routable engine has room for `num_requests` more requests."""
+        refusal = None
+        for engine in self.engines[:self.num_routable]:
+            refusal = engine.admission_refusal(num_requests, num_prompt_tokens)
+            if refusal is None:
+                return
+        if refusal is not None:
+            self.engines[0].stat_loggers.record_admission_rejection(refusal.reason)
+            raise refusal
 
     # ---- health, metrics, fault tolerance, lifecycle -----------------------------------------
 
