@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import logging
 import time
-
 from typing import Any
 
 from engine.config import EngineConfig
@@ -62,6 +61,10 @@ class EngineCore:
         self._weight_update_active = False
         self._weights_consistent = True
         self._last_weight_call = 0.0  # time.monotonic() at the end of the last start/update call
+        # Whether the checkpoint's weights serve (no update finished since they were loaded), and their
+        # version: what weight_version returns to when sleep(2) -> wake_up re-reads the checkpoint.
+        self._serving_checkpoint = True
+        self._checkpoint_weight_version = self.weight_version
         # Whether the last step() ran a forward pass: a lockstep engine (engine/dp_core_proc.py)
         # runs a dummy batch instead when it did not, so every rank runs one forward per step.
         self.last_step_ran_model = False
@@ -245,9 +248,9 @@ class EngineCore:
         if self._asleep:
             if level == self._sleep_level and self._asleep == tags_put_to_sleep(level):
                 return
-            raise RuntimeError(
-                f"sleep: the engine is already asleep (level {self._sleep_level}, asleep: "
-                f"{sorted(self._asleep)}); wake_up() first"
+            raise ValueError(  # the caller's order of calls, not an engine failure: HTTP 400
+                f"level: the engine is already asleep at level {self._sleep_level} (asleep: "
+                f"{sorted(self._asleep)}); wake_up() before sleeping at level {level}"
             )
         if level >= 1:
             aborted = self._abort_all()
@@ -269,7 +272,8 @@ class EngineCore:
         kv_cache, and asking for it while one of them still sleeps is a ValueError. After
         sleep(2), "weights" re-allocates the weights and re-loads them from the checkpoint
         directory, so the RL order sleep(2) -> wake_up(["weights"]) -> weight update ->
-        wake_up(["kv_cache"]) serves the update, and without the update the checkpoint.
+        wake_up(["kv_cache"]) serves the update, and without the update the checkpoint, under the
+        checkpoint's weight_version ("default" unless update_weight_version labelled it).
         The KV cache comes back with the same number of blocks and an empty prefix cache.
         """
         self.drain()
@@ -283,6 +287,10 @@ class EngineCore:
             )
         if memory:
             self.executor.wake_up(sorted(memory))
+            if "weights" in memory and self._sleep_level == 2:
+                # The checkpoint was re-read from disk: outputs must not carry a trained version's
+                # label until a weight update lands (the RL order updates right after this call).
+                self._serve_checkpoint()
         self._asleep -= to_wake
         if memory and not memory_left:
             self._asleep.discard("scheduling")
@@ -345,6 +353,16 @@ class EngineCore:
         if not isinstance(weight_version, str) or not weight_version:
             raise ValueError(f"weight_version: expected a non-empty string, got {weight_version!r}")
         self.weight_version = weight_version
+        if self._serving_checkpoint:  # a label for the checkpoint's own weights, kept across re-loads
+            self._checkpoint_weight_version = weight_version
+
+    def _serve_checkpoint(self) -> None:
+        """The weights are the checkpoint's again (re-loaded after sleep(2)): so is the version."""
+        if self.weight_version != self._checkpoint_weight_version:
+            logger.info("EngineCore: weights re-loaded from the checkpoint; weight_version %r -> %r",
+                        self.weight_version, self._checkpoint_weight_version)
+        self.weight_version = self._checkpoint_weight_version
+        self._serving_checkpoint = True
 
     def get_weight_version(self) -> str:
         return self.weight_version
@@ -414,6 +432,7 @@ class EngineCore:
             raise ValueError(f"weight_version: expected a non-empty string, got {weight_version!r}")
         self.drain()
         self.executor.finish_weight_update()
+        self._serving_checkpoint = False
         self._weights_consistent = True
         self._set_weight_update_active(False)
         self.scheduler.recompute_running()

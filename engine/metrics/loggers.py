@@ -32,6 +32,15 @@ __all__ = [
 ]
 
 
+def format_usage(fraction: float) -> str:
+    """A fraction as a percentage that reads 0 only when it is 0: a large cache (a CPU engine's holds
+    ~50k blocks) with a few requests in it shows "0.03%", not "0.0%"."""
+    percent = 100 * fraction
+    if 0 < percent < 0.1:
+        return f"{percent:.2g}%"
+    return f"{percent:.1f}%"
+
+
 class LoggingStatLogger(StatLoggerBase):
     """One INFO line per engine at most every log_stats_interval seconds; rates cover the time since the last line.
 
@@ -96,7 +105,7 @@ class LoggingStatLogger(StatLoggerBase):
         hit_rate = self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
         fmt = (
             "Engine %03d: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, "
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %s, Prefix cache hit rate: %.1f%%, "
             "Estimated: %.3f TFLOP/s"
         )
         args = [
@@ -105,7 +114,7 @@ class LoggingStatLogger(StatLoggerBase):
             self.num_generation_tokens / elapsed,
             self.num_running_reqs,
             self.num_waiting_reqs,
-            100 * self.kv_cache_usage,
+            format_usage(self.kv_cache_usage),
             100 * hit_rate,
             self.flops / elapsed / 1e12,
         ]

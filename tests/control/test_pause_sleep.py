@@ -341,8 +341,9 @@ def test_bad_arguments_raise_value_error_naming_them_and_change_nothing(core):
     asleep = set(core._asleep)
     with pytest.raises(ValueError, match="tags"):
         core.wake_up(["bogus"])
-    with pytest.raises(RuntimeError, match="already asleep"):
-        core.sleep(2)
+    for level in (2, 0):  # another level while asleep: the caller's mistake (400 over HTTP), nothing changes
+        with pytest.raises(ValueError, match="already asleep at level 1"):
+            core.sleep(level)
     assert core._asleep == asleep and core.executor.worker.sleeper.asleep == {"weights", "kv_cache"}
     core.wake_up()
     core.add_request(_request("ok", PROMPTS[0]))
