@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
@@ -11,7 +10,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, AsyncIterator
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from engine.exceptions import EngineDeadError
@@ -20,13 +19,15 @@ from rollout.server import formatting as F
 from rollout.server import protocol as P
 from rollout.server.config import ServerConfig
 from rollout.server.elastic_routes import elastic_router
-from rollout.server.errors import (
-    ERROR_TYPES,
-    AuthError,
-    ModelNotFoundError,
-    add_exception_handlers,
-    error_response,
+from rollout.server.errors import ERROR_TYPES, ModelNotFoundError, add_exception_handlers, error_response
+from rollout.server.middleware import (
+    AdmissionMiddleware,
+    AuthMiddleware,
+    BodyLimitMiddleware,
+    CatchAllMiddleware,
+    StrictJSONRoute,
 )
+from rollout.server.openapi import error_responses, install_openapi
 from rollout.server.rl_routes import fault_tolerance_router, rl_router
 from rollout.server.streams import first_outputs, merge_streams, run_until_disconnect
 
@@ -41,6 +42,15 @@ class ServerState:
     config: ServerConfig
     model_name: str
     max_model_len: int
+
+    def check_batch(self, num_prompts: int, n: int) -> None:
+        """A batched completion fans out into num_prompts x n sequences: bounded before any is made."""
+        limit = self.config.max_batch_sequences
+        if num_prompts * n > limit:
+            raise ValueError(
+                f"prompt: {num_prompts} prompts x n={n} is {num_prompts * n} sequences, over this server's "
+                f"limit of {limit} (--max-batch-sequences)"
+            )
 
     def check_model(self, model: str | None) -> None:
         # An absent model means "the one you serve", as vLLM does.
@@ -65,15 +75,26 @@ async def _final_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
     return final
 
 
+def _start_generation(state: ServerState, prompts: list, params, req_id: str, priority: int):
+    """(one generate() iterator per prompt, their admission): the places in the engine's queue are
+    taken now, on arrival (AdmissionError: 503 at once), before any iterator starts."""
+    admission = state.engine.admit(len(prompts) * params.n)
+    gens = [
+        state.engine.generate(prompt, params, f"{req_id}-{i}" if len(prompts) > 1 else req_id, priority, admission)
+        for i, prompt in enumerate(prompts)
+    ]
+    return gens, admission
+
+
 async def _generate_all(
     request: Request, state: ServerState, prompts: list, params, req_id: str, priority: int
 ) -> list[RequestOutput]:
     """Runs every prompt to its final output; a disconnect or any failure cancels (aborts) the rest."""
-    gens = [
-        state.engine.generate(prompt, params, f"{req_id}-{i}" if len(prompts) > 1 else req_id, priority)
-        for i, prompt in enumerate(prompts)
-    ]
-    return await run_until_disconnect(request, [_final_output(g) for g in gens])
+    gens, admission = _start_generation(state, prompts, params, req_id, priority)
+    try:
+        return await run_until_disconnect(request, [_final_output(g) for g in gens])
+    finally:
+        admission.release()  # what a request cancelled before its tokenization still held
 
 
 def _completion_choices(state: ServerState, outputs: list[RequestOutput], n: int, return_token_ids: bool):
@@ -195,11 +216,11 @@ def _sse_error(e: Exception) -> str:
 async def _open_streams(request: Request, state: ServerState, prompts: list, params, req_id: str, priority: int):
     """Starts one DELTA generate() per prompt and waits for each one's first output, so that bad
     input and admission errors become a proper HTTP status before any streamed byte."""
-    gens = [
-        state.engine.generate(prompt, params, f"{req_id}-{i}" if len(prompts) > 1 else req_id, priority)
-        for i, prompt in enumerate(prompts)
-    ]
-    firsts = await run_until_disconnect(request, [first_outputs(gens)])
+    gens, admission = _start_generation(state, prompts, params, req_id, priority)
+    try:
+        firsts = await run_until_disconnect(request, [first_outputs(gens)])
+    finally:
+        admission.release()
     return gens, firsts[0]
 
 
@@ -207,20 +228,11 @@ def _streaming_response(body_iter: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(body_iter, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _chat_prompt(state: ServerState, conversation: list[dict], add_generation_prompt: bool, kwargs) -> dict:
-    """Renders a conversation with the chat template (in a thread: templates can be slow) and tokenizes it."""
-    tokenizer = state.engine.tokenizer
-
-    def render() -> dict:
-        try:
-            text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **(kwargs or {})
-            )
-        except Exception as e:  # a template error is the request's fault (e.g. a role it rejects)
-            raise ValueError(f"messages: the chat template failed: {e}") from None
-        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
-
-    return await asyncio.to_thread(render)
+def _chat_prompt(body: P.ChatCompletionRequest) -> dict:
+    """The conversation as the engine's prompt: its processor renders the chat template after
+    admission, in the tokenizer threads (engine/processor.py)."""
+    return {"messages": body.conversation(), "add_generation_prompt": body.add_generation_prompt,
+            "chat_template_kwargs": body.chat_template_kwargs}
 
 
 # ---------------------------------------------------------------------------- app
@@ -233,29 +245,32 @@ def build_app(engine, server_config: ServerConfig, model_name: str | None = None
     app = FastAPI(title="rollout-toolkit", version=_version())
     app.state.server = state
     add_exception_handlers(app)
-    app.include_router(_open_routes(state))
-    auth = [Depends(_auth_dependency(server_config.api_key))]
-    app.include_router(_api_routes(state), dependencies=auth)
+    open_router = _open_routes(state)
+    app.include_router(open_router)
+    app.include_router(_api_routes(state))
     # Control routes exist only when asked for (DESIGN.md: RL and weight routes are off by default).
     if server_config.enable_rl_routes:
-        app.include_router(rl_router(engine, server_config.weight_transfer_backend), dependencies=auth)
-        app.include_router(elastic_router(engine), dependencies=auth)
+        app.include_router(rl_router(engine, server_config.weight_transfer_backend))
+        app.include_router(elastic_router(engine))
     if engine.config.fault_tolerance.enable_fault_tolerance:
-        app.include_router(fault_tolerance_router(engine), dependencies=auth)
+        app.include_router(fault_tolerance_router(engine))
+
+    # Middleware, outermost last: every failure is a JSON answer; the key is checked before any
+    # body is read; a body over its limit is refused before a route parses it.
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=server_config.max_request_body_bytes,
+        path_limits={"/update_weights": (server_config.max_weight_update_body_bytes, "--max-weight-update-body-bytes")},
+    )
+    open_paths = {route.path for route in open_router.routes} | {
+        p for p in (app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url) if p
+    }
+    if engine.config.admission.max_num_queued_reqs is not None or engine.config.admission.max_num_queued_tokens is not None:
+        app.add_middleware(AdmissionMiddleware, engine=engine, paths={"/v1/completions", "/v1/chat/completions"})
+    if server_config.api_key is not None:
+        app.add_middleware(AuthMiddleware, api_key=server_config.api_key, open_paths=open_paths)
+    app.add_middleware(CatchAllMiddleware)
+    install_openapi(app, is_protected=lambda path: server_config.api_key is not None and path not in open_paths)
     return app
-
-
-def _auth_dependency(api_key: str | None):
-    expected = f"Bearer {api_key}".encode() if api_key else None
-
-    async def check(request: Request) -> None:
-        if expected is None:
-            return
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):  # constant time: no key prefix leaks by timing
-            raise AuthError("missing or invalid API key (send `Authorization: Bearer <key>`)")
-
-    return check
 
 
 def _version() -> str:
@@ -267,9 +282,13 @@ def _version() -> str:
 
 def _open_routes(state: ServerState) -> APIRouter:
     """Routes that monitoring reaches without the API key."""
-    router = APIRouter()
+    router = APIRouter(route_class=StrictJSONRoute)
 
-    @router.get("/health")
+    @router.get(
+        "/health", response_class=Response,
+        responses={200: {"description": "The engine is healthy (an empty body)", "content": {}},
+                   **error_responses(503)},
+    )
     async def health() -> Response:
         try:
             await asyncio.wait_for(state.engine.check_health(), timeout=10.0)
@@ -277,31 +296,50 @@ def _open_routes(state: ServerState) -> APIRouter:
             return error_response(503, f"engine is not healthy: {e or 'no answer within 10 s'}")
         return Response(status_code=200)
 
-    @router.get("/metrics")
+    @router.get(
+        "/metrics", response_class=Response,
+        responses={200: {"description": "Prometheus text exposition format",
+                         "content": {PROMETHEUS_CONTENT_TYPE: {"schema": {"type": "string"}}}}},
+    )
     async def metrics() -> Response:
         return Response(state.engine.prometheus_text(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     return router
 
 
+class VersionResponse(P.ResponseModel):
+    version: str
+
+
+# With "stream": true: server-sent events, each `data:` a JSON chunk (or an in-band error body), then [DONE].
+_STREAM = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a JSON chunk or error body, or [DONE]"}},
+}}}
+
+
 def _api_routes(state: ServerState) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=StrictJSONRoute)
     engine = state.engine
 
     @router.get("/version")
-    async def version() -> dict:
-        return {"version": _version()}
+    async def version() -> VersionResponse:
+        return VersionResponse(version=_version())
 
     @router.get("/v1/models")
     async def models() -> P.ModelList:
         card = P.ModelCard(id=state.model_name, root=engine.config.model.model, max_model_len=state.max_model_len)
         return P.ModelList(data=[card])
 
-    @router.post("/v1/completions")
+    generation_errors = {**error_responses(404, 503), 200: {"content": _STREAM}}
+
+    @router.post("/v1/completions", response_model=P.CompletionResponse, responses=generation_errors)
     async def completions(body: P.CompletionRequest, request: Request):
         state.check_model(body.model)
         prompts = body.prompts()
         params = body.to_sampling_params(state.max_model_len)
+        engine.processor.check_params(params, body.priority)  # n and priority, before the fan-out is sized
+        state.check_batch(len(prompts), body.n)
         req_id = _request_id("cmpl")
         if body.stream:
             gens, firsts = await _open_streams(request, state, prompts, params, req_id, body.priority)
@@ -314,11 +352,11 @@ def _api_routes(state: ServerState) -> APIRouter:
             usage=F.usage([len(o.prompt_token_ids) for o in outputs], num_completion),
         )
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses=generation_errors)
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
         state.check_model(body.model)
-        prompt = await _chat_prompt(state, body.conversation(), body.add_generation_prompt, body.chat_template_kwargs)
-        params = body.to_sampling_params(state.max_model_len, len(prompt["prompt_token_ids"]))
+        prompt = _chat_prompt(body)
+        params = body.to_sampling_params(state.max_model_len)  # an unset max_tokens: up to max_model_len
         req_id = _request_id("chatcmpl")
         if body.stream:
             gens, firsts = await _open_streams(request, state, [prompt], params, req_id, body.priority)
@@ -344,19 +382,21 @@ def _api_routes(state: ServerState) -> APIRouter:
             prompt_logprobs=F.prompt_logprobs_json(out.prompt_logprobs),
         )
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", responses=error_responses(404))
     async def tokenize(body: P.TokenizeRequest) -> P.TokenizeResponse:
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ValueError("prompt: give exactly one of prompt or messages")
+        processor = engine.processor  # the engine's text bounds apply: a text too long for max_model_len is a 400
         if body.messages is not None:
-            conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
-            ids = (await _chat_prompt(state, conversation, body.add_generation_prompt, None))["prompt_token_ids"]
+            conversation = {"messages": [{"role": m.role, "content": m.text()} for m in body.messages],
+                            "add_generation_prompt": body.add_generation_prompt}
+            _, ids = await asyncio.to_thread(processor.tokenize, conversation)
         else:
-            ids = await asyncio.to_thread(engine.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await asyncio.to_thread(processor.encode, body.prompt, body.add_special_tokens)
         return P.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.max_model_len)
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", responses=error_responses(404))
     async def detokenize(body: P.DetokenizeRequest) -> P.DetokenizeResponse:
         state.check_model(body.model)
         vocab = len(engine.tokenizer)

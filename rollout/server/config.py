@@ -21,7 +21,15 @@ class ServerConfig:
     served_model_name: str | None = None
     """Model name clients must send in `model`; defaults to the --model argument as given."""
     uvicorn_log_level: UvicornLogLevel = "warning"
-    """Log level of uvicorn (access logs appear at info)."""
+    """Log level of uvicorn's own messages (the access log has its own switch, --disable-access-log)."""
+    disable_access_log: bool = False
+    """Turn off the access log (one line per request with its status, uvicorn's format, on stderr)."""
+    max_request_body_bytes: int = 32 << 20
+    """Largest request body accepted (bytes); a bigger one is refused with 413 before it is read. /update_weights has its own limit."""
+    max_batch_sequences: int = 4096
+    """Most sequences (prompts x n) one /v1/completions request may ask for; more is a 400 (n alone is bounded by --max-num-seqs)."""
+    max_weight_update_body_bytes: int = 1 << 30
+    """Largest /update_weights body (bytes): the local backend sends tensors base64-encoded inside it (256 MiB of tensors per call by default)."""
     timeout_keep_alive: int = 5
     """Seconds an idle keep-alive connection stays open."""
     shutdown_grace_s: float = 5.0
@@ -54,5 +62,8 @@ class ServerConfig:
             )
         if self.timeout_keep_alive < 1:
             raise ValueError(f"timeout_keep_alive must be >= 1, got {self.timeout_keep_alive}")
+        for name in ("max_request_body_bytes", "max_weight_update_body_bytes", "max_batch_sequences"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")

@@ -11,26 +11,30 @@ is prepared, or a commit with none, 409; a drain or ready timeout, 504 (rollout/
 from __future__ import annotations
 
 from fastapi import APIRouter, HTTPException
+from pydantic import Field
 
 from rollout.elastic_ep import ElasticEPStateError
-from rollout.server.protocol import RequestModel
+from rollout.server.middleware import StrictJSONRoute
+from rollout.server.openapi import error_responses
+from rollout.server.protocol import MAX_TIMEOUT_S, RequestModel
 
 
 class PrepareElasticEPRequest(RequestModel):
-    new_data_parallel_size: int
+    new_data_parallel_size: int = Field(ge=1, le=1024)
     """The group's engine count after commit (its expert-parallel size)."""
-    drain_timeout_s: float | None = None
+    drain_timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
     """Scale down: how long the leaving engines' requests may take to finish (None: the group's default, 300 s)."""
 
 
 class CommitElasticEPRequest(RequestModel):
-    ready_timeout_s: float | None = None
+    ready_timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
     """How long to wait until every engine of the new size is connected (None: the group's default, 120 s)."""
 
 
 def elastic_router(engine) -> APIRouter:
     """The /elastic_ep routes over `engine` (a RolloutGroup; anything else answers 400)."""
-    router = APIRouter(prefix="/elastic_ep", tags=["elastic_ep"])
+    router = APIRouter(prefix="/elastic_ep", tags=["elastic_ep"], route_class=StrictJSONRoute,
+                       responses=error_responses(400, 409, 503, 504))
 
     def group():
         if not hasattr(engine, "prepare_elastic_ep"):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import re
 
 import pydantic
@@ -11,18 +10,26 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.exceptions import AdmissionError, EngineDeadError, EngineNotReadyError, WeightTransferError
+from engine.exceptions import (
+    AdmissionError,
+    EngineDeadError,
+    EngineNotReadyError,
+    PeerTimeoutError,
+    WeightTransferError,
+)
 from rollout.server import protocol as P
 from rollout.server.streams import ClientDisconnected
-
-logger = logging.getLogger("rollout.server")
 
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    409: "conflict_error",
+    413: "request_too_large",
     500: "internal_server_error",
+    502: "bad_gateway",
     503: "service_unavailable",
+    504: "gateway_timeout",
 }
 
 
@@ -30,15 +37,20 @@ class ModelNotFoundError(LookupError):
     """The request named a model this server does not serve (HTTP 404)."""
 
 
-class AuthError(PermissionError):
-    """Missing or wrong bearer token (HTTP 401)."""
-
-
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    # A message may quote the request; lone surrogates in it must not break the answer itself.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     body = P.ErrorResponse(
         error=P.ErrorInfo(message=message, type=ERROR_TYPES.get(status, "error"), param=param, code=status)
     )
     return JSONResponse(body.model_dump(), status_code=status)
+
+
+def admission_response(exc: AdmissionError) -> JSONResponse:
+    """503 for a request admission control refused (the queue is at its limit): retry shortly."""
+    response = error_response(503, f"server overloaded ({exc.reason}): {exc}; retry later")
+    response.headers["Retry-After"] = "1"
+    return response
 
 
 _LEADING_NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)")
@@ -70,8 +82,16 @@ def _validation_error(errors: list[dict]) -> JSONResponse:
     elif len(loc) > 1 and sum(1 for e in errors if _body_loc(e)[:1] == [param]) > 1:
         message = f"{param}: invalid value ({'; '.join(sorted({e['msg'] for e in errors}))})"
     else:
-        message = f"{'.'.join(loc)}: {first['msg']}"
+        message = f"{'.'.join(loc)}: {first['msg']}{_given(first)}"
     return error_response(400, message, param)
+
+
+def _given(error: dict) -> str:
+    """ ", got <value>" for a scalar input short enough to quote; nothing otherwise."""
+    value = error.get("input")
+    if isinstance(value, (bool, int, float)) or (isinstance(value, str) and len(value) <= 64):
+        return f", got {value!r}"
+    return ""
 
 
 def _body_loc(error: dict) -> list[str]:
@@ -95,15 +115,9 @@ def add_exception_handlers(app: FastAPI) -> None:
     async def _not_found(request: Request, exc: ModelNotFoundError) -> JSONResponse:
         return error_response(404, str(exc), "model")
 
-    @app.exception_handler(AuthError)
-    async def _auth(request: Request, exc: AuthError) -> JSONResponse:
-        response = error_response(401, str(exc))
-        response.headers["WWW-Authenticate"] = "Bearer"
-        return response
-
     @app.exception_handler(AdmissionError)
     async def _admission(request: Request, exc: AdmissionError) -> JSONResponse:
-        return error_response(503, f"server overloaded ({exc.reason}): {exc}; retry later")
+        return admission_response(exc)
 
     @app.exception_handler(EngineNotReadyError)
     async def _not_ready(request: Request, exc: EngineNotReadyError) -> JSONResponse:
@@ -114,8 +128,14 @@ def add_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(WeightTransferError)
     async def _transfer_failed(request: Request, exc: WeightTransferError) -> JSONResponse:
-        # The trainer side of a transfer failed or stalled; the engine restored its previous weights.
-        return error_response(500, f"weight transfer failed: {exc}")
+        # The trainer side of a transfer failed or stalled (a bad gateway, not a server bug); the
+        # engine restored its previous weights.
+        return error_response(502, f"weight transfer failed: {exc}")
+
+    @app.exception_handler(PeerTimeoutError)
+    async def _peer_timeout(request: Request, exc: PeerTimeoutError) -> JSONResponse:
+        # A weight-transfer peer did not answer in time; nothing changed in the engine.
+        return error_response(504, str(exc))
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
@@ -128,9 +148,6 @@ def add_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, str(exc.detail), getattr(exc, "param", None))
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("internal error serving %s", request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+    # Anything else is answered by limits.CatchAllMiddleware (a JSON 500 that keeps the connection).

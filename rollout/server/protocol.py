@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,6 +16,10 @@ from engine.sampling_params import (
 # Most top logprobs one position may ask for (vLLM's default max_logprobs): each costs a
 # sort over the vocabulary and bytes on the wire.
 MAX_LOGPROBS = 20
+# Longest timeout any body may ask for (a day): larger values overflow the waits they reach.
+MAX_TIMEOUT_S = 86400.0
+# Most stop strings one request may carry: each is searched for in every step's new text.
+MAX_STOP_STRINGS = 64
 
 
 class RequestModel(BaseModel):
@@ -66,10 +70,11 @@ class SamplingRequest(RequestModel):
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    n: int = 1
+    n: int = Field(default=1, ge=1)
+    """Samples per prompt; at most the engine's max_num_seqs (--max-num-seqs)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
