@@ -1,10 +1,11 @@
-"""Admission control (503 for the excess of a burst), engine death (503) and shutdown by signal, on real processes."""
+"""Admission control (503 for the excess of a burst), engine death (503s, then the server exits) and shutdown by signal, on real processes."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -118,14 +119,12 @@ def test_dead_engine_gives_503_and_fails_in_flight_requests(launch_server):
         assert status == 503
         assert ended_at - killed_at < 5.0, f"an in-flight request hung {ended_at - killed_at:.1f} s"
 
-    status = None
-    while time.monotonic() - killed_at < 5.0:
-        status = httpx.get(server.url + "/health", timeout=5).status_code
-        if status == 503:
-            break
-        time.sleep(0.1)
-    assert status == 503, f"/health still {status} 5 s after the engine died"
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
-    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
-    # The server itself stays up to say so, and still shuts down cleanly.
-    assert server.stop(signal.SIGTERM) == 0
+    # Without fault tolerance a dead engine never comes back: the server exits non-zero within
+    # seconds (as vLLM's does) so that a supervisor restarts it, leaving no process behind.
+    try:
+        rc = server.proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the server still runs 15 s after its engine died:\n{server.stderr_tail()}") from None
+    assert rc != 0
+    assert server.stop() == rc  # already exited: checks that no child process survived
+    assert "the engine is dead and fault tolerance is off" in server.stderr_tail()
