@@ -121,7 +121,6 @@ class BodyLimitMiddleware:
             await error_response(413, message(declared.decode()))(scope, receive, send)
             return
         num_read = 0
-        started = False
 
         async def counting_receive() -> Message:
             nonlocal num_read
@@ -132,17 +131,25 @@ class BodyLimitMiddleware:
                     raise BodyTooLarge(message(f"more than {max_bytes}"))
             return message_
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        tracked = _TrackedSend(send)
         try:
-            await self.app(scope, counting_receive, tracking_send)
+            await self.app(scope, counting_receive, tracked)
         except BodyTooLarge as e:  # read outside a route's handlers (they answer it themselves)
-            if started:
+            if tracked.started:
                 raise
             await error_response(413, str(e.detail))(scope, receive, send)
+
+
+class _TrackedSend:
+    """An ASGI `send` that remembers whether the response has started (after which no error answer fits)."""
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.started = False
+
+    async def __call__(self, message: Message) -> None:
+        self.started = self.started or message["type"] == "http.response.start"
+        await self.send(message)
 
 
 class CatchAllMiddleware:
@@ -155,20 +162,12 @@ class CatchAllMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        tracked = _TrackedSend(send)
         try:
-            await self.app(scope, receive, tracking_send)
-        except BodyTooLarge:
-            raise  # BodyLimitMiddleware, outside us, answers it
+            await self.app(scope, receive, tracked)
         except Exception as e:
             logger.exception("internal error serving %s", scope.get("path"))
-            if started:  # a stream already sent its headers: nothing to do but end it
+            if tracked.started:  # a stream already sent its headers: nothing to do but end it
                 return
             await error_response(500, f"internal error: {type(e).__name__}: {e}")(scope, receive, send)
 
