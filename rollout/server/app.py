@@ -76,8 +76,11 @@ async def _final_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 
 def _start_generation(state: ServerState, prompts: list, params, req_id: str, priority: int):
-    """(one generate() iterator per prompt, their admission): the places in the engine's queue are
-    taken now, on arrival (AdmissionError: 503 at once), before any iterator starts."""
+    """(one generate() iterator per prompt, their admission): what the request asks for is bounded
+    (n, priority, prompts x n: 400) and its places in the engine's queue are taken now, on arrival
+    (AdmissionError: 503 at once), before any iterator starts."""
+    state.engine.processor.check_params(params, priority)
+    state.check_batch(len(prompts), params.n)
     admission = state.engine.admit(len(prompts) * params.n)
     gens = [
         state.engine.generate(prompt, params, f"{req_id}-{i}" if len(prompts) > 1 else req_id, priority, admission)
@@ -338,8 +341,6 @@ def _api_routes(state: ServerState) -> APIRouter:
         state.check_model(body.model)
         prompts = body.prompts()
         params = body.to_sampling_params(state.max_model_len)
-        engine.processor.check_params(params, body.priority)  # n and priority, before the fan-out is sized
-        state.check_batch(len(prompts), body.n)
         req_id = _request_id("cmpl")
         if body.stream:
             gens, firsts = await _open_streams(request, state, prompts, params, req_id, body.priority)
