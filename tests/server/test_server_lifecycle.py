@@ -52,6 +52,10 @@ def test_admission_burst_gets_503_for_the_excess_only(admission_server):
     assert after.status_code == 200
     metrics = httpx.get(server.url + "/metrics").text
     assert "admission_rejections" in metrics
+    # A request's own bounds come before its places in the queue: more samples than the queue
+    # holds is the 400 naming n, not an "overloaded" 503 that invites a retry.
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "n": 100}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
 
 
 def test_sigint_stops_server_and_engine_with_a_stream_in_flight(admission_server):
