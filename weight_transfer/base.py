@@ -7,7 +7,8 @@ TrainerWeightTransferEngine moves them and alone talks to the engine through a c
 (engine/worker/weight_update.py) drives it through one lifecycle:
 
     bind_worker, bind_model                      once, when the transfer engine is created
-    parse_init_info -> init_transfer            once, when the transfer engine is created
+    parse_init_info -> rendezvous               once, when the transfer engine is created
+    init_transfer                               once, in a background thread (see rendezvous)
     start_update                                 once per weight update
     parse_update_info -> receive_weights         once per update_weights call (any number)
     finish_update or abort_update                once per weight update
@@ -33,6 +34,36 @@ import torch
 from torch import nn
 
 
+# Bounds of init_info / update_info numbers: no integer past 64 bits reaches torch or msgspec,
+# and no wait on a peer is longer than a day (datetime.timedelta overflows long before inf).
+INT64_MAX = (1 << 63) - 1
+MAX_TIMEOUT_S = 24 * 3600.0
+
+
+def check_timeout_s(value: Any, where: str) -> float:
+    """A timeout in seconds: a finite number in (0, MAX_TIMEOUT_S], not a bool; ValueError naming `where`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
+        raise ValueError(f"{where}: expected a positive number of seconds up to {MAX_TIMEOUT_S:g} (24 h), got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Whom a backend's init_transfer waits on and for how long; the worker acts on it.
+
+    init_transfer runs in a background thread, so that the engine keeps serving while it waits;
+    the worker gives up on it after timeout_s (plus a short grace: the backend's own bounded
+    waits report first) with PeerTimeoutError naming `peer`. When `host` is set, init_transfer
+    connects out to it, and the worker checks it against the engine's weight_transfer_allowed_hosts
+    before init_transfer starts (ValueError naming `where`).
+    """
+
+    timeout_s: float
+    peer: str = "the trainer"  # for messages, e.g. "the trainer's TCPStore at 10.0.0.1:29500"
+    host: str | None = None  # the address init_transfer connects to; None: it connects nowhere
+    where: str = "init_info.master_address"  # the init_info field that gave `host`
+
+
 @dataclass
 class WeightUpdateInfo:
     """What one update_weights call will deliver: per tensor its HF name, dtype and shape (same order)."""
@@ -56,6 +87,9 @@ class WeightUpdateInfo:
                 f"update_info: {len(self.names)} names, {len(self.dtypes)} dtypes and "
                 f"{len(self.shapes)} shapes; they must have the same length"
             )
+
+
+DEFAULT_INIT_TIMEOUT_S = 60.0  # Rendezvous.timeout_s of a backend whose init waits on no peer
 
 
 class WeightTransferEngine(ABC):
@@ -89,9 +123,20 @@ class WeightTransferEngine(ABC):
     def parse_init_info(self, init_info: dict) -> Any:
         """Checks and decodes init_info (as sent by a client); raises ValueError naming a bad field."""
 
+    def rendezvous(self, init_info: Any) -> Rendezvous:
+        """Whom init_transfer(init_info) waits on, for how long, and where it connects (see Rendezvous).
+
+        A backend whose engine side connects out to an address given in init_info must name it
+        here (host), so that the address is checked before any connection is attempted."""
+        return Rendezvous(timeout_s=DEFAULT_INIT_TIMEOUT_S)
+
     @abstractmethod
     def init_transfer(self, init_info: Any) -> None:
-        """Sets the transport up (join a process group, open a handle, ...) with parsed init info."""
+        """Sets the transport up (join a process group, open a handle, ...) with parsed init info.
+
+        Runs in a background thread of the worker (never concurrently with another call on this
+        object), bounded by rendezvous(init_info).timeout_s; when that passes first, the object is
+        abandoned and shut down once init_transfer returns."""
 
     def start_update(self) -> None:
         """Called once before the update_weights calls of one update."""

@@ -42,7 +42,6 @@ import binascii
 import concurrent.futures
 import dataclasses
 import logging
-import math
 import mmap
 import os
 import re
@@ -59,12 +58,15 @@ import torch
 
 from weight_transfer import packing
 from weight_transfer.base import (
+    INT64_MAX,
     ParamMeta,
+    Rendezvous,
     SyncStats,
     TrainerWeightTransferEngine,
     WeightSource,
     WeightTransferEngine,
     WeightUpdateInfo,
+    check_timeout_s,
 )
 from weight_transfer.clients import call_in_background
 
@@ -248,9 +250,12 @@ def _field(mapping: Mapping, key: str, kind: type | tuple[type, ...], where: str
 
 
 def _int_field(mapping: Mapping, key: str, where: str, minimum: int = 0) -> int:
+    """An int (not a bool) in [minimum, 2**63): no larger value reaches torch."""
     value = _field(mapping, key, int, where)
     if value < minimum:
         raise ValueError(f"{where}.{key}: {value} is below {minimum}")
+    if value > INT64_MAX:
+        raise ValueError(f"{where}.{key}: an integer of {value.bit_length()} bits is out of range (must be below 2**63)")
     return value
 
 
@@ -447,11 +452,14 @@ class IPCWeightTransferEngine(WeightTransferEngine):
             raise ValueError(
                 f"{where}.host: the trainer runs on host {host!r}, this engine on another; ipc needs one machine"
             )
-        timeout_s = _field(init_info, "timeout_s", (int, float), where)
-        if isinstance(timeout_s, bool) or not math.isfinite(timeout_s) or timeout_s <= 0:
-            raise ValueError(f"{where}.timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+        timeout_s = check_timeout_s(_field(init_info, "timeout_s", (int, float), where), f"{where}.timeout_s")
         keep_buffers = _field(init_info, "keep_buffers", bool, where)
-        return _EngineInitInfo(control, float(timeout_s), keep_buffers)
+        return _EngineInitInfo(control, timeout_s, keep_buffers)
+
+    def rendezvous(self, init_info: _EngineInitInfo) -> Rendezvous:
+        # Same machine only (init_info.host is a boot id, not an address): init opens a shared-memory
+        # segment and connects nowhere, so there is no host to check against the allowed hosts.
+        return Rendezvous(init_info.timeout_s, f"the trainer's ipc control block {init_info.control}")
 
     def init_transfer(self, init_info: _EngineInitInfo) -> None:
         self._control = _Control.attach(init_info.control, "init_info.control")
@@ -658,8 +666,7 @@ class IPCTrainerInitInfo:
             raise ValueError(f"packed_buffer_size_bytes: {self.packed_buffer_size_bytes} is below {packing.ALIGN}")
         if not 1 <= self.packed_num_buffers < _MAX_SLOTS:
             raise ValueError(f"packed_num_buffers: {self.packed_num_buffers} is out of range [1, {_MAX_SLOTS - 1}]")
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            raise ValueError(f"timeout_s: expected a positive number of seconds, got {self.timeout_s!r}")
+        check_timeout_s(self.timeout_s, "timeout_s")
         if not isinstance(self.keep_buffers, bool):
             raise ValueError(f"keep_buffers: expected a bool, got {self.keep_buffers!r}")
         if self.device is not None:

@@ -11,6 +11,10 @@ init_info (JSON, sent by the trainer; see NCCLTrainerInitInfo for the trainer's 
      "group_generation": int}
 update_info (JSON): {"names": [...], "dtypes": [...], "shapes": [[...], ...], "call_id": int}
 
+The engine's init connects out to master_address, so rendezvous() names it: the worker checks
+it against the engine's weight_transfer_allowed_hosts before anything connects, and runs
+init_transfer (store connect, group join) in a background thread bounded by timeout_s.
+
 Packed mode: both sides compute packing.plan_packs over the tensor list, and tensors travel
 packed into packed_num_buffers rotating buffers, so that the broadcast of one buffer overlaps
 filling (trainer) or unpacking (engine) of the others. Unpacked mode: one broadcast per tensor.
@@ -30,7 +34,6 @@ trainer gives up); the trainer's next send_weights joins a fresh group (a new ge
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -40,12 +43,15 @@ from typing import Any, ClassVar
 import torch
 
 from weight_transfer.base import (
+    INT64_MAX,
     ParamMeta,
+    Rendezvous,
     SyncStats,
     TrainerWeightTransferEngine,
     WeightSource,
     WeightTransferEngine,
     WeightUpdateInfo,
+    check_timeout_s,
 )
 from weight_transfer.clients import call_in_background
 from weight_transfer.packing import ALIGN, parse_tensor_list, plan_packs, tensor_list
@@ -58,6 +64,7 @@ from weight_transfer.process_group import (
     WireSpec,
     connect_store,
     first_line,
+    host_port,
     host_store,
     receive_items,
     send_items,
@@ -67,6 +74,8 @@ from weight_transfer.process_group import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0
+MAX_NUM_BUFFERS = 64  # pack buffers (or unpacked broadcasts) in flight at once
+MAX_WORLD_SIZE = (1 << 31) - 1  # torch.distributed takes ranks and sizes as C int
 
 
 # =======================================================================================
@@ -74,19 +83,19 @@ DEFAULT_TIMEOUT_S = 300.0
 # =======================================================================================
 
 
-def _int_field(value: Any, where: str, minimum: int, maximum: int | None = None) -> int:
+def _int_field(value: Any, where: str, minimum: int, maximum: int = INT64_MAX) -> int:
+    """An int (not a bool) in [minimum, maximum]; the default maximum keeps it within 64 bits."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"{where}: expected an integer, got {value!r}")
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f"[{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
-        raise ValueError(f"{where}: {value} is out of range (must be {bound})")
+    if not minimum <= value <= maximum:
+        bound = f"[{minimum}, {maximum}]" if maximum != INT64_MAX else f">= {minimum} (and below 2**63)"
+        shown = value if value.bit_length() <= 64 else f"an integer of {value.bit_length()} bits"
+        raise ValueError(f"{where}: {shown} is out of range (must be {bound})")
     return value
 
 
 def _timeout_field(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{where}: expected a positive number of seconds, got {value!r}")
-    return float(value)
+    return check_timeout_s(value, where)
 
 
 def _bool_field(value: Any, where: str) -> bool:
@@ -105,7 +114,7 @@ def _settings(packed: Any, buffer_size: Any, num_buffers: Any, prefix: str = "")
     return TransferSettings(
         _bool_field(packed, f"{prefix}packed"),
         _int_field(buffer_size, f"{prefix}packed_buffer_size_bytes", ALIGN),
-        _int_field(num_buffers, f"{prefix}packed_num_buffers", 1),
+        _int_field(num_buffers, f"{prefix}packed_num_buffers", 1, MAX_NUM_BUFFERS),
     )
 
 
@@ -133,7 +142,7 @@ class NCCLTrainerInitInfo:
     def __post_init__(self) -> None:
         _address_field(self.master_address, "master_address")
         _int_field(self.master_port, "master_port", 0, 65535)
-        _int_field(self.world_size, "world_size", 2)
+        _int_field(self.world_size, "world_size", 2, MAX_WORLD_SIZE)
         _settings(self.packed, self.packed_buffer_size_bytes, self.packed_num_buffers)
         _int_field(self.rank, "rank", 0)
         _timeout_field(self.timeout_s, "timeout_s")
@@ -196,7 +205,7 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
         if missing:
             raise ValueError(f"init_info.{missing[0]}: missing (required: {list(_REQUIRED)})")
         get = init_info.get
-        world_size = _int_field(init_info["world_size"], "init_info.world_size", 2)
+        world_size = _int_field(init_info["world_size"], "init_info.world_size", 2, MAX_WORLD_SIZE)
         rank_offset = _int_field(get("rank_offset", 1), "init_info.rank_offset", 1)
         dp_index = _int_field(get("dp_index", 0), "init_info.dp_index", 0)
         rank = rank_offset + dp_index * self.workers_per_engine + self.worker_rank
@@ -227,6 +236,12 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
             device_type=device_type,
             generation=_int_field(get("group_generation", 0), "init_info.group_generation", 0),
         )
+
+    def rendezvous(self, init_info: EngineInitInfo) -> Rendezvous:
+        # The store (then the group on it) at master_address: the address the worker checks first.
+        peer = host_port(init_info.master_address, init_info.master_port)
+        return Rendezvous(init_info.timeout_s, f"the trainer's TCPStore at {peer}", init_info.master_address,
+                          "init_info.master_address")
 
     def init_transfer(self, init_info: EngineInitInfo) -> None:
         keys = StoreKeys(init_info.generation)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from weight_transfer.base import INT64_MAX
+
 ALIGN = 256
 
 
@@ -99,8 +101,11 @@ def parse_tensor_list(update_info: dict, where: str = "update_info") -> tuple[li
         raise ValueError(f"{where}: {len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes; they must match")
     parsed_shapes = []
     for i, shape in enumerate(shapes):
-        if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise ValueError(f"{where}.shapes[{i}] ({names[i]!r}): expected a list of non-negative ints, got {shape!r}")
+        if not isinstance(shape, (list, tuple)) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= INT64_MAX for d in shape
+        ):
+            raise ValueError(f"{where}.shapes[{i}] ({names[i]!r}): expected a list of non-negative ints "
+                             f"(below 2**63), got {shape!r}")
         parsed_shapes.append(tuple(shape))
     for i, name in enumerate(names):
         if not isinstance(name, str) or not name:

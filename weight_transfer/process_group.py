@@ -23,6 +23,7 @@ import datetime
 import logging
 import math
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -78,14 +79,41 @@ def host_store(address: str, port: int, timeout_s: float) -> dist.TCPStore:
         ) from e
 
 
+def host_port(address: str, port: int) -> str:
+    """"10.0.0.1:29500", "[::1]:29500": a peer as messages name it."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
 def connect_store(address: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """A client of the trainer's store (engine side); gives up after timeout_s."""
-    try:
-        return dist.TCPStore(address, port, None, False, _timedelta(timeout_s))
-    except (RuntimeError, OSError) as e:
+    """A client of the trainer's store (engine side); TimeoutError naming the peer after timeout_s.
+
+    torch's own timeout does not cover every wait: against a listener that accepts and never
+    answers, the TCPStore client's handshake waits forever. So the connect runs in a daemon
+    thread and this waits at most timeout_s for it; a store it makes after that is dropped
+    (closing its connection), and a thread that stays stuck ends with the listener's socket.
+    """
+    peer = host_port(address, port)
+    done = threading.Event()
+    outcome: list = []
+
+    def connect() -> None:
+        try:
+            outcome.append(dist.TCPStore(address, port, None, False, _timedelta(timeout_s)))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            outcome.append(e)
+        done.set()
+
+    threading.Thread(target=connect, name=f"tcpstore-connect-{peer}", daemon=True).start()
+    if not done.wait(timeout_s):  # a store made later is freed with the thread: nothing else holds it
+        raise TimeoutError(f"no answer from the trainer's TCPStore at {peer} within timeout_s={timeout_s:g}")
+    result = outcome[0]
+    if isinstance(result, (RuntimeError, OSError)):
         raise TimeoutError(
-            f"could not reach the trainer's TCPStore at {address}:{port} within {timeout_s:g} s: {first_line(e)}"
-        ) from e
+            f"could not reach the trainer's TCPStore at {peer} within timeout_s={timeout_s:g}: {first_line(result)}"
+        ) from result
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def wait_for_keys(
@@ -154,8 +182,8 @@ class WeightSyncGroup:
                 raise ValueError(f"device: weight sync runs on cpu (gloo) or cuda (nccl), not {device.type}")
         except (RuntimeError, dist.DistError) as e:  # DistStoreError: a peer never showed up
             raise TimeoutError(
-                f"weight-sync group: rank {rank} of {world_size} could not connect to every peer within "
-                f"timeout_s={timeout_s:g}: {first_line(e)}"
+                f"weight-sync group (store at {address}): rank {rank} of {world_size} could not connect to every "
+                f"peer within timeout_s={timeout_s:g}: {first_line(e)}"
             ) from e
 
     def broadcast(self, tensor: torch.Tensor):

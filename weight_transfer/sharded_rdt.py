@@ -44,11 +44,15 @@ import torch
 from torch import nn
 
 from weight_transfer.base import (
+    INT64_MAX,
+    MAX_TIMEOUT_S,
+    Rendezvous,
     SyncStats,
     TrainerWeightTransferEngine,
     WeightSource,
     WeightTransferEngine,
     WeightUpdateInfo,
+    check_timeout_s,
 )
 from weight_transfer.clients import call_in_background
 from weight_transfer.packing import PackSlot, copy_into, nbytes_of, parse_tensor_list, tensor_list, view_of
@@ -57,6 +61,7 @@ from weight_transfer.rdt_producer import EMPTY, GROUP_LIMIT, RDTProducer, make_a
 
 MiB = 1 << 20
 _MARGIN_S = 10.0  # extra wait on the trainer for answers the other side itself bounds by timeout_s
+_MAX_RECV_BUFFERS = 64
 
 
 @dataclass(frozen=True)
@@ -99,13 +104,15 @@ class ShardedRDTTrainerInitInfo:
                 raise ValueError(f"init_info.{field_name}: {what}, got {getattr(self, field_name)!r}")
 
         def is_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
+            return isinstance(v, int) and not isinstance(v, bool) and abs(v) <= INT64_MAX
 
         need(is_int(self.lookahead_groups) and self.lookahead_groups >= 1, "lookahead_groups", "expected an int >= 1")
         need(is_int(self.chunk_bytes) and self.chunk_bytes >= 256, "chunk_bytes", "expected an int >= 256")
-        need(is_int(self.num_recv_buffers) and self.num_recv_buffers >= 1, "num_recv_buffers", "expected an int >= 1")
-        need(_positive_number(self.timeout_s), "timeout_s", "expected a positive number of seconds")
-        need(_positive_number(self.startup_timeout_s), "startup_timeout_s", "expected a positive number of seconds")
+        need(is_int(self.num_recv_buffers) and 1 <= self.num_recv_buffers <= _MAX_RECV_BUFFERS, "num_recv_buffers",
+             f"expected an int in [1, {_MAX_RECV_BUFFERS}]")
+        need(_timeout(self.timeout_s), "timeout_s", f"expected a positive number of seconds up to {MAX_TIMEOUT_S:g}")
+        need(_timeout(self.startup_timeout_s), "startup_timeout_s",
+             f"expected a positive number of seconds up to {MAX_TIMEOUT_S:g}")
         need(isinstance(self.nixl_backend, str) and bool(self.nixl_backend), "nixl_backend", "expected a backend name")
         need(self.producer_device in ("cpu", "cuda") or str(self.producer_device).startswith("cuda:"),
              "producer_device", 'expected "cpu" or "cuda"')
@@ -143,8 +150,9 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _positive_number(v: Any) -> bool:
-    return _number(v) and v > 0
+def _timeout(v: Any) -> bool:
+    """A timeout in seconds: finite, positive and at most MAX_TIMEOUT_S (a day)."""
+    return _number(v) and 0 < v <= MAX_TIMEOUT_S
 
 
 # =======================================================================================
@@ -512,16 +520,20 @@ class ShardedRDTWeightTransferEngine(WeightTransferEngine):
         unknown = sorted(set(init_info) - _INIT_FIELDS)
         if unknown:
             raise ValueError(f"init_info: unknown field(s) {unknown} for backend 'sharded_rdt'")
-        timeout_s = init_info.get("timeout_s", 120.0)
-        if not _positive_number(timeout_s):
-            raise ValueError(f"init_info.timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+        timeout_s = check_timeout_s(init_info.get("timeout_s", 120.0), "init_info.timeout_s")
         num_recv_buffers = init_info.get("num_recv_buffers", 2)
-        if not (isinstance(num_recv_buffers, int) and not isinstance(num_recv_buffers, bool) and num_recv_buffers >= 1):
-            raise ValueError(f"init_info.num_recv_buffers: expected an int >= 1, got {num_recv_buffers!r}")
+        if not (_nonneg_int(num_recv_buffers) and 1 <= num_recv_buffers <= _MAX_RECV_BUFFERS):
+            raise ValueError(f"init_info.num_recv_buffers: expected an int in [1, {_MAX_RECV_BUFFERS}], "
+                             f"got {num_recv_buffers!r}")
         nixl_backend = init_info.get("nixl_backend", "UCX")
         if not isinstance(nixl_backend, str) or not nixl_backend:
             raise ValueError(f"init_info.nixl_backend: expected a backend name, got {nixl_backend!r}")
         return _EngineConfig(float(timeout_s), num_recv_buffers, nixl_backend)
+
+    def rendezvous(self, init_info: _EngineConfig) -> Rendezvous:
+        # init makes a local NIXL agent and connects nowhere: the producers' agents (and the
+        # addresses in their metadata) arrive with each update_info, not in init_info.
+        return Rendezvous(init_info.timeout_s, "the local NIXL agent")
 
     def init_transfer(self, init_info: _EngineConfig) -> None:
         self.config = init_info
@@ -788,7 +800,8 @@ class _Read:
 
 
 def _nonneg_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    """An int (not a bool) in [0, 2**63): no larger value reaches torch or NIXL."""
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= INT64_MAX
 
 
 def _zero(buffer: torch.Tensor, slot: PackSlot) -> None:
