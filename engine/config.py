@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from engine.allowed_hosts import LOOPBACK_HOSTS, AllowedHosts
+
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 LoadFormat = Literal["auto", "dummy"]
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -245,6 +247,18 @@ class FaultToleranceConfig:
             raise ValueError(f"weight_update_rollback must be one of device, cpu, none; got {self.weight_update_rollback!r}")
 
 
+@dataclass
+class WeightTransferConfig:
+    """Where the engine may connect for weight transfer (a trainer's init_info names the address)."""
+
+    weight_transfer_allowed_hosts: list[str] = field(default_factory=lambda: list(LOOPBACK_HOSTS))
+    """Hosts the engine may connect to for weight transfer (nccl, sparse_nccl: init_info master_address), checked before any connection: host names, IP addresses, CIDR networks (10.0.0.0/8) or * for any host. Default: loopback only."""
+
+    def __post_init__(self) -> None:
+        AllowedHosts.parse(self.weight_transfer_allowed_hosts)  # ValueError naming a bad entry
+        self.weight_transfer_allowed_hosts = list(self.weight_transfer_allowed_hosts)
+
+
 SpecMethod = Literal["ngram", "draft_model"]
 _SPEC_KEYS = {
     "ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"},
@@ -325,6 +339,7 @@ class EngineConfig:
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    weight_transfer: WeightTransferConfig = field(default_factory=WeightTransferConfig)
 
 
 # The sections of EngineConfig, in --help order; their field names are unique across
@@ -339,6 +354,7 @@ ENGINE_CONFIG_SECTIONS: dict[str, type] = {
     "observability": ObservabilityConfig,
     "fault_tolerance": FaultToleranceConfig,
     "speculative": SpeculativeConfig,
+    "weight_transfer": WeightTransferConfig,
 }
 
 

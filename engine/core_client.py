@@ -135,7 +135,9 @@ class InprocClient(SyncEngineCoreClient, AsyncEngineCoreClient):
     """The EngineCore in this process. get_output runs one step (abort outputs come with the next).
 
     add_request raises ValueError for a bad request (the MP clients get an ERROR output instead).
-    Not thread-safe; async methods run the step on the event loop.
+    Not thread-safe; async methods run the step on the event loop. A utility with a deferred form
+    in the engine process (EngineCore.DEFERRED_UTILITIES: init_weight_transfer_engine) waits here
+    for its answer, so nothing steps meanwhile (its wait is bounded by the call's timeout_s).
 
     Fault tolerance in-process: without it a failed step raises to the caller of get_output;
     with it the step's requests end with ERROR and the engine is unhealthy (add_request raises

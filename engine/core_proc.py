@@ -12,6 +12,12 @@ instruction). Engine -> frontend: frames of one EngineCoreOutputs (a utility's a
 its utility_output). At start-up the engine sends one EngineHandshake on every DEALER: READY,
 or FAILED with the traceback, then exits.
 
+Deferred answers: a utility whose work waits on a peer (EngineCore.DEFERRED_UTILITIES, e.g.
+init_weight_transfer_engine's rendezvous with a trainer) returns a DeferredResult
+(engine/deferred.py); the busy loop keeps it with its call id, polls it between steps (an idle
+loop waits for input only POLL_INTERVAL_S meanwhile) and sends the answer once it is known, so
+generation and other calls go on while the peer takes its time.
+
 Faults: the busy loop runs under a sentinel. When it raises, every in-flight request ends with
 finish reason ERROR and every client hears the new engine status. Without fault tolerance
 (or with the executor gone: a worker process or actor died, which the loop checks every
@@ -45,6 +51,7 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
+from engine.deferred import POLL_INTERVAL_S, DeferredResult
 from engine.exceptions import EngineDeadError
 from engine.parent_watch import watch_parent
 from engine.serial_utils import MsgpackDecoder, MsgpackEncoder
@@ -131,6 +138,10 @@ class EngineCoreProc:
             raise
 
         self.req_clients: dict[str, int] = {}  # running request -> the client that sent it
+        # Utility calls whose answer is still to come (EngineCore.DEFERRED_UTILITIES): (client index,
+        # call id, its DeferredResult), polled between steps by _answer_deferred.
+        self._deferred: list[tuple[int, int, DeferredResult]] = []
+        self._next_deferred_poll = 0.0
         self.running = True
         # Fault tolerance. `status` is written by the busy loop (and read by the input threads)
         # under _status_lock, together with the retry calls waiting for the engine to recover.
@@ -172,12 +183,14 @@ class EngineCoreProc:
                 self._on_fault(e)  # returns once recovered; raises when the engine must exit
 
     def _process_input_queue(self) -> None:
+        """Handles what has arrived, and answers the deferred utility calls whose answer is known."""
+        self._answer_deferred()
         # Block only when idle; otherwise take what has arrived and go back to stepping.
         if self._is_idle():
             try:
                 # A timeout, so that SIGTERM's handler runs soon even if a signal lands on
-                # another thread and leaves this one asleep.
-                self._handle(*self.input_queue.get(timeout=_IDLE_WAIT_S))
+                # another thread and leaves this one asleep (and a deferred answer goes out soon).
+                self._handle(*self.input_queue.get(timeout=POLL_INTERVAL_S if self._deferred else _IDLE_WAIT_S))
             except queue.Empty:
                 return
         while self.running:
@@ -230,15 +243,45 @@ class EngineCoreProc:
                 self.running = False
                 result = None
             else:
-                fn = getattr(self.engine_core, method, None) if not method.startswith("_") else None
+                # A utility with a deferred form answers later (see EngineCore.DEFERRED_UTILITIES).
+                name = self.engine_core.DEFERRED_UTILITIES.get(method, method)
+                fn = getattr(self.engine_core, name, None) if not method.startswith("_") else None
                 if not callable(fn):
                     raise AttributeError(f"EngineCore has no method {method!r}")
                 result = fn(*args)
-            answer = UtilityOutput(call_id, result=result)
+                if isinstance(result, DeferredResult):
+                    self._deferred.append((client_index, call_id, result))
+                    return
         except Exception as e:
-            answer = UtilityOutput(call_id, failure_message=f"{type(e).__name__}: {e}")
+            self._answer_utility(client_index, call_id, error=e)
+            return
+        self._answer_utility(client_index, call_id, result)
+
+    def _answer_deferred(self) -> None:
+        """Sends the answers of deferred utility calls that are known (polled every POLL_INTERVAL_S at most)."""
+        if not self._deferred or time.monotonic() < self._next_deferred_poll:
+            return
+        self._next_deferred_poll = time.monotonic() + POLL_INTERVAL_S
+        pending = []
+        for client_index, call_id, deferred in self._deferred:
+            if not deferred.poll():
+                pending.append((client_index, call_id, deferred))
+                continue
+            try:
+                result = deferred.result()
+            except Exception as e:
+                self._answer_utility(client_index, call_id, error=e)
+            else:
+                self._answer_utility(client_index, call_id, result)
+        self._deferred = pending
+
+    def _answer_utility(self, client_index: int, call_id: int, result: Any = None, error: Exception | None = None) -> None:
+        if error is not None:
+            answer = UtilityOutput(call_id, failure_message=f"{type(error).__name__}: {error}")
+        else:
+            answer = UtilityOutput(call_id, result=result)
         # Fresh stats ride along (pause/sleep/wake_up change gauges even while the engine idles).
-        stats = self.engine_core.make_stats() if answer.failure_message is None else None
+        stats = self.engine_core.make_stats() if error is None else None
         self._send(client_index, EngineCoreOutputs(utility_output=answer, timestamp=time.time(), scheduler_stats=stats))
 
     def _step(self) -> None:

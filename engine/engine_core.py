@@ -20,7 +20,8 @@ from engine.core.request import Request, RequestStatus
 from engine.core.sched_output import SchedulerOutput
 from engine.core.scheduler import Scheduler
 from engine.core.stats import SchedulerStats
-from engine.exceptions import EngineNotReadyError, WeightTransferError
+from engine.deferred import DeferredResult
+from engine.exceptions import EngineNotReadyError, WeightTransferError, WeightUpdateStateError
 from engine.executor import Executor, get_executor_class
 from engine.wire import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 
@@ -61,6 +62,7 @@ class EngineCore:
         self._weight_update_active = False
         self._weights_consistent = True
         self._last_weight_call = 0.0  # time.monotonic() at the end of the last start/update call
+        self._init_pending = False  # an init_weight_transfer_engine's rendezvous runs (begin_weight_transfer_init)
         # Whether the checkpoint's weights serve (no update finished since they were loaded), and their
         # version: what weight_version returns to when sleep(2) -> wake_up re-reads the checkpoint.
         self._serving_checkpoint = True
@@ -367,8 +369,40 @@ class EngineCore:
     def get_weight_version(self) -> str:
         return self.weight_version
 
+    # Utilities with a deferred form: the engine process (engine/core_proc.py) calls the form named
+    # here, which returns a DeferredResult it polls between steps, so that a wait on a peer never
+    # holds the busy loop; in-process callers call the plain name, which waits for the answer.
+    DEFERRED_UTILITIES = {"init_weight_transfer_engine": "begin_weight_transfer_init"}
+
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.executor.init_weight_transfer_engine(init_info)
+        """Sets the weight transfer backend up (waiting for its rendezvous with the trainer); see begin_weight_transfer_init."""
+        self.begin_weight_transfer_init(init_info).wait()
+
+    def begin_weight_transfer_init(self, init_info: dict) -> DeferredResult:
+        """Starts init_weight_transfer_engine: ValueError now for bad init_info or a peer outside
+        weight_transfer_allowed_hosts; the rendezvous runs in the workers' background (bounded by
+        init_info's timeout_s: PeerTimeoutError) and the result says when every rank is done.
+
+        Until then every other weight-update call is refused (WeightUpdateStateError), and a
+        failed init leaves the previous transfer engine in place: nothing changes in the engine."""
+        if self._init_pending:  # here, not in the workers: a failed begin drops every rank's pending init
+            raise WeightUpdateStateError(
+                "init_weight_transfer_engine: another init_weight_transfer_engine is still waiting for its peer; "
+                "call again once it has answered"
+            )
+        self.executor.begin_weight_transfer_init(init_info)
+        self._init_pending = True
+
+        def poll() -> tuple[bool, None]:
+            try:
+                done = self.executor.poll_weight_transfer_init()
+            except BaseException:
+                self._init_pending = False
+                raise
+            self._init_pending = not done
+            return done, None
+
+        return DeferredResult(poll)
 
     def start_weight_update(self) -> None:
         """Begins an update; until it finishes or aborts nothing is scheduled (requests queue)."""

@@ -193,6 +193,8 @@ async def _serve(
             watched.append(death_task)
         await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
         engine_died = death_task is not None and death_task.done()
+        if death_task is not None:
+            death_task.cancel()  # from here on the engine is stopped on purpose
         server.request_exit()
         # A second signal while draining forces the exit.
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -203,9 +205,8 @@ async def _serve(
             # response (503, or in-band for streams), so uvicorn's connections close by themselves.
             engine.shutdown()
         await serve_task
-        for task in (announce_task, stop_task, death_task):
-            if task is not None:
-                task.cancel()
+        announce_task.cancel()
+        stop_task.cancel()
         return 0 if server.server.started and not engine_died else 1
     finally:
         engine.shutdown()

@@ -74,6 +74,9 @@ def start_worker(model: ModelConfig, rollout: RolloutConfig):
     if rollout.engine == "ray":
         from trainers.engines import RayRolloutEngine
 
+        # The actor's workers join the trainer's nccl group at this node's address, which the engine's
+        # default weight_transfer_allowed_hosts (loopback only) would refuse: this trainer started it, so allow it.
+        worker_args["weight_transfer_allowed_hosts"] = ["127.0.0.1", "::1", "localhost", _address_towards(rollout)]
         return RayRolloutEngine.start(model.path, num_gpus=1.0 if model.device == "cuda" else 0.0, **worker_args)
     from rollout import RolloutWorker
 

@@ -168,8 +168,34 @@ class Executor(ABC):
 
     # ---- weight updates: every rank lands its part; rank 0 answers for the engine ------------
 
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.collective_rpc("init_weight_transfer_engine", (init_info,))
+    # init_weight_transfer_engine never blocks the caller: every rank starts its rendezvous in the
+    # background (engine/worker/transfer_init.py), the caller polls, and the ranks install their new
+    # transfer engines together once all are ready - or drop them together when one failed.
+
+    def begin_weight_transfer_init(self, init_info: dict) -> None:
+        """Starts the init on every rank; ValueError (bad init_info, a peer outside the allowed hosts) starts nothing."""
+        self._init_rpc("begin_weight_transfer_init", (init_info,))
+
+    def poll_weight_transfer_init(self) -> bool:
+        """True once every rank is ready and has installed its transfer engine; raises the lowest failed
+        rank's error (PeerTimeoutError: the peer did not answer in time), every rank's init then dropped."""
+        if not all(self._init_rpc("poll_weight_transfer_init")):
+            return False
+        self.collective_rpc("commit_weight_transfer_init")
+        return True
+
+    def _init_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        """collective_rpc(method, args); when a rank raises, every rank's pending init is dropped first."""
+        try:
+            return self.collective_rpc(method, args)
+        except WorkerDiedError:
+            raise
+        except BaseException:
+            try:
+                self.collective_rpc("cancel_weight_transfer_init")
+            except Exception as e:  # a worker gone meanwhile: the loop's liveness check reports it
+                logger.warning("cancel_weight_transfer_init after a failed init: %s", e)
+            raise
 
     def start_weight_update(self) -> None:
         self.collective_rpc("start_weight_update")

@@ -2,7 +2,9 @@
 
 Lifecycle (enforced; misuse raises WeightUpdateStateError, bad input ValueError):
 
-    init_transfer_engine(init_info)     -> ready      (again when ready: replaces the transfer engine)
+    init_transfer_engine(init_info)     -> ready      (again when ready: replaces the transfer engine; its
+                                                       rendezvous runs in the background, transfer_init.py,
+                                                       and every other call is refused until it is over)
     start_update()                      -> updating
     update_weights(update_info) * N        (each call atomic, see below)
     finish_update()                     -> ready      (the new weights serve)
@@ -45,15 +47,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from engine.allowed_hosts import LOOPBACK_HOSTS, AllowedHosts
 from engine.distributed import get_tp
 from engine.exceptions import WeightTransferError, WeightUpdateStateError
 from engine.models.layers import HFPart, hf_parts_of
+from engine.worker.transfer_init import PendingInit
 from weight_transfer.base import SparseWeightPatch, WeightTransferEngine, get_engine_backend
 from weight_transfer.checksums import compare_checksums, tensor_checksum
 
@@ -235,11 +240,13 @@ class WeightUpdater:
     """Owns the transfer engine, the update state and the rollback copies of one worker's model."""
 
     def __init__(self, model: nn.Module, device: torch.device, rollback: str = "device",
-                 name: str = TARGET_MODEL) -> None:
+                 name: str = TARGET_MODEL, allowed_hosts: AllowedHosts | None = None) -> None:
         self.model = model
         self.name = name  # which of the worker's models (WEIGHT_MODELS) this updates
         self.device = device
         self.rollback = rollback
+        # Where a backend may connect (WeightTransferConfig.weight_transfer_allowed_hosts); default loopback only.
+        self.allowed_hosts = allowed_hosts if allowed_hosts is not None else AllowedHosts.parse(LOOPBACK_HOSTS)
         self.layout = hf_weight_layout(model)
         self.remote = hf_remote_shapes(model)  # other EP ranks' experts: validated, never landed
         self.transfer_engine: WeightTransferEngine | None = None
@@ -254,7 +261,10 @@ class WeightUpdater:
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
-    def init_transfer_engine(self, init_info: dict) -> None:
+    def begin_transfer_engine(self, init_info: dict) -> PendingInit:
+        """A new transfer engine for init_info, its rendezvous started in the background (transfer_init.py);
+        install_transfer_engine() it once ready. ValueError naming a bad field, or a peer outside the
+        allowed hosts, before anything starts; the current transfer engine is untouched either way."""
         if not isinstance(init_info, dict):
             raise ValueError(f"init_info: expected a dict, got {type(init_info).__name__}")
         if self.updating:
@@ -266,11 +276,20 @@ class WeightUpdater:
         tp = get_tp()
         engine.bind_worker(tp.rank, tp.size)  # every tensor-parallel worker receives the full tensors itself
         engine.bind_model(self.model)
-        engine.init_transfer(engine.parse_init_info(init_info))
+        return PendingInit(engine, engine.parse_init_info(init_info), backend, self.allowed_hosts, self.device)
+
+    def install_transfer_engine(self, pending: PendingInit) -> None:
+        """Makes a ready PendingInit's transfer engine this model's; the previous one is shut down."""
         if self.transfer_engine is not None:
             self.transfer_engine.shutdown()
-        self.transfer_engine, self.backend = engine, backend
+        self.transfer_engine, self.backend = pending.engine, pending.backend
         self._plans = {}  # keys are the old engine's
+
+    def init_transfer_engine(self, init_info: dict) -> None:
+        """begin, wait, install: for callers holding this WeightUpdater alone (a worker goes through WeightUpdaters)."""
+        pending = self.begin_transfer_engine(init_info)
+        pending.wait()
+        self.install_transfer_engine(pending)
 
     def start_update(self) -> None:
         engine = self._require_engine("start_weight_update")
@@ -670,6 +689,9 @@ class WeightUpdaters:
     def __init__(self, target: WeightUpdater, draft: WeightUpdater | None = None) -> None:
         self.target = target
         self.draft = draft  # None: the engine runs no draft model
+        # An init_weight_transfer_engine whose rendezvous runs (begin_init .. commit_init or its failure),
+        # and the updater it is for. While it runs, every other weight-update call is refused.
+        self._pending: tuple[WeightUpdater, PendingInit] | None = None
 
     def all(self) -> list[WeightUpdater]:
         return [self.target] if self.draft is None else [self.target, self.draft]
@@ -693,13 +715,61 @@ class WeightUpdaters:
         rest = dict(info)
         return self.select(rest.pop("model"), f"{where}.model"), rest
 
-    def init_transfer_engine(self, init_info: dict) -> None:
+    # ---- init: begin_init, then poll_init until True, then commit_init (or cancel_init) -------------
+    # The engine core drives these across every rank, so that all of them install their new transfer
+    # engine together, or none does (a failed or timed-out init changes nothing).
+
+    def begin_init(self, init_info: dict) -> None:
+        """Validates init_info and starts its rendezvous in the background; ValueError: nothing started."""
+        self._refuse_while_init_pending("init_weight_transfer_engine")
         updater, init_info = self._split(init_info, "init_info")
         if any(u.updating for u in self.all()):  # a model joining mid-update would miss its start
             raise WeightUpdateStateError("init_weight_transfer_engine: a weight update is in progress; finish it first")
-        updater.init_transfer_engine(init_info)
+        self._pending = (updater, updater.begin_transfer_engine(init_info))
+
+    def poll_init(self) -> bool:
+        """True once the pending init is ready to commit; raises its error (it is then dropped)."""
+        if self._pending is None:
+            raise WeightUpdateStateError("poll_weight_transfer_init: no init_weight_transfer_engine in progress")
+        try:
+            return self._pending[1].poll()
+        except BaseException:
+            self._pending = None
+            raise
+
+    def commit_init(self) -> None:
+        """Installs the ready pending init's transfer engine (the previous one is shut down)."""
+        if not self.poll_init():
+            raise WeightUpdateStateError("commit_weight_transfer_init: the init's rendezvous is still running")
+        updater, pending = self._pending
+        self._pending = None
+        updater.install_transfer_engine(pending)
+
+    def cancel_init(self) -> None:
+        """Drops a pending init (its transfer engine is shut down, now or when its rendezvous ends); a no-op without one."""
+        if self._pending is not None:
+            self._pending[1].cancel()
+            self._pending = None
+
+    def init_transfer_engine(self, init_info: dict) -> None:
+        """begin_init, wait, commit_init: for callers that can block (a worker used directly)."""
+        self.begin_init(init_info)
+        while not self.poll_init():
+            time.sleep(0.01)
+        self.commit_init()
+
+    def _refuse_while_init_pending(self, method: str) -> None:
+        if self._pending is not None:
+            rendezvous = self._pending[1].rendezvous
+            raise WeightUpdateStateError(
+                f"{method}: init_weight_transfer_engine is still waiting for {rendezvous.peer} (up to timeout_s="
+                f"{rendezvous.timeout_s:g}); call again once it has answered"
+            )
+
+    # ---- one update ----------------------------------------------------------------------------
 
     def start_update(self) -> None:
+        self._refuse_while_init_pending("start_weight_update")
         ready = [u for u in self.all() if u.transfer_engine is not None]
         if not ready:
             self.target.start_update()  # raises: no transfer engine
@@ -714,6 +784,7 @@ class WeightUpdaters:
             raise
 
     def update_weights(self, update_info: dict) -> int:
+        self._refuse_while_init_pending("update_weights")
         updater, update_info = self._split(update_info, "update_info")
         try:
             return updater.update_weights(update_info)
@@ -724,6 +795,7 @@ class WeightUpdaters:
             raise
 
     def finish_update(self) -> None:
+        self._refuse_while_init_pending("finish_weight_update")
         updating = [u for u in self.all() if u.updating]
         if not updating:  # raises: no transfer engine, or no update in progress
             ready = [u for u in self.all() if u.transfer_engine is not None]
@@ -733,10 +805,12 @@ class WeightUpdaters:
 
     def abort_update(self) -> bool:
         """Restores every model an update in progress changed; False if none was in progress."""
+        self._refuse_while_init_pending("abort_weight_update")
         aborted = [u.abort_update() for u in self.all()]  # every one, not up to the first that was updating
         return any(aborted)
 
     def shutdown(self) -> None:
+        self._refuse_while_init_pending("shutdown_weight_transfer_engine")
         for updater in self.all():
             updater.shutdown()
 

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from engine.allowed_hosts import AllowedHosts
 from engine.attention.layer import Attention
 from engine.config import EngineConfig
 from engine.core.sched_output import SchedulerOutput
@@ -115,7 +116,9 @@ class Worker:
             max_model_len=max_model_len,
         )
         # Built while the weights are resident: it records their shapes (sleep mode may empty them).
-        self.weight_updater = WeightUpdater(self.model, self.device, config.fault_tolerance.weight_update_rollback)
+        self.allowed_hosts = AllowedHosts.parse(config.weight_transfer.weight_transfer_allowed_hosts)
+        self.weight_updater = WeightUpdater(self.model, self.device, config.fault_tolerance.weight_update_rollback,
+                                            allowed_hosts=self.allowed_hosts)
         self.weight_updaters = WeightUpdaters(self.weight_updater)  # the draft model's joins in _init_speculator
         self.draft_model: torch.nn.Module | None = None
         self.draft_proposer = None
@@ -137,7 +140,8 @@ class Worker:
         self.draft_model = load_model(spec.model, draft_config, self.dtype, self.device, self.config.model.load_format)
         self.attn_layers += [m for m in self.draft_model.modules() if isinstance(m, Attention)]
         self.weight_updaters.draft = WeightUpdater(self.draft_model, self.device,
-                                                   self.config.fault_tolerance.weight_update_rollback, DRAFT_MODEL)
+                                                   self.config.fault_tolerance.weight_update_rollback, DRAFT_MODEL,
+                                                   allowed_hosts=self.allowed_hosts)
         self.draft_proposer = DraftModelProposer(spec, self.draft_model, draft_config.architectures[0], self.device,
                                                  runner.state, self.config.cache.block_size)
         runner.set_speculator(self.draft_proposer, spec.num_speculative_tokens)
@@ -330,7 +334,22 @@ class Worker:
     # model (the default) or the draft model (WeightUpdaters).
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
+        """Blocking: for callers of this Worker itself. The engine core uses the four calls below."""
         self.weight_updaters.init_transfer_engine(init_info)
+
+    # init without blocking (engine/worker/transfer_init.py): begin validates and starts the rendezvous
+    # in the background; poll says when it is ready (or raises); commit installs; cancel drops.
+    def begin_weight_transfer_init(self, init_info: dict) -> None:
+        self.weight_updaters.begin_init(init_info)
+
+    def poll_weight_transfer_init(self) -> bool:
+        return self.weight_updaters.poll_init()
+
+    def commit_weight_transfer_init(self) -> None:
+        self.weight_updaters.commit_init()
+
+    def cancel_weight_transfer_init(self) -> None:
+        self.weight_updaters.cancel_init()
 
     def start_weight_update(self) -> None:
         self.weight_updaters.start_update()
@@ -387,5 +406,6 @@ class Worker:
 
     def shutdown(self) -> None:
         """Leaves the tensor- and expert-parallel groups (a worker process calls this before it exits)."""
+        self.weight_updaters.cancel_init()  # a rendezvous still running: what it builds is shut down
         destroy_expert_parallel()
         destroy_tensor_parallel()

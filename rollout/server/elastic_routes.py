@@ -16,7 +16,8 @@ from pydantic import Field
 from rollout.elastic_ep import ElasticEPStateError
 from rollout.server.middleware import StrictJSONRoute
 from rollout.server.openapi import error_responses
-from rollout.server.protocol import MAX_TIMEOUT_S, RequestModel
+from rollout.server.protocol import RequestModel
+from weight_transfer.base import MAX_TIMEOUT_S  # the longest wait any body may ask for (a day)
 
 
 class PrepareElasticEPRequest(RequestModel):

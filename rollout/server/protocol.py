@@ -16,8 +16,6 @@ from engine.sampling_params import (
 # Most top logprobs one position may ask for (vLLM's default max_logprobs): each costs a
 # sort over the vocabulary and bytes on the wire.
 MAX_LOGPROBS = 20
-# Longest timeout any body may ask for (a day): larger values overflow the waits they reach.
-MAX_TIMEOUT_S = 86400.0
 # Most stop strings one request may carry: each is searched for in every step's new text.
 MAX_STOP_STRINGS = 64
 
