@@ -300,18 +300,23 @@ def test_a_bad_timeout_is_a_400_naming_it(server, timeout_s):
         assert "init_info.timeout_s" in message
 
 
-@pytest.mark.slow
-def test_a_real_sync_works_after_all_that(server, checkpoint):
-    client = HTTPWeightSyncClient(server.url)
-    model = trainer_model(checkpoint, seed=61)
-    info = NCCLTrainerInitInfo("127.0.0.1", 0, 2, packed_buffer_size_bytes=32 << 10, timeout_s=20.0)
+def _sync_over_nccl(url: str, checkpoint: str, info: NCCLTrainerInitInfo, seed: int, version: str) -> None:
+    """One real nccl (gloo) sync of a fresh trainer model into the server, checked against what it serves."""
+    client = HTTPWeightSyncClient(url)
+    model = trainer_model(checkpoint, seed=seed)
     trainer = trainer_init(info, client=client, source=model)
     try:
-        trainer.send_weights(weight_version="after-peers")
-        assert_engine_serves(server.url, model, "after-peers")
+        trainer.send_weights(weight_version=version)
+        assert_engine_serves(url, model, version)
     finally:
         trainer.shutdown()
         client.close()
+
+
+@pytest.mark.slow
+def test_a_real_sync_works_after_all_that(server, checkpoint):
+    info = NCCLTrainerInitInfo("127.0.0.1", 0, 2, packed_buffer_size_bytes=32 << 10, timeout_s=20.0)
+    _sync_over_nccl(server.url, checkpoint, info, 61, "after-peers")
 
 
 @pytest.mark.slow
@@ -324,15 +329,7 @@ def test_the_flag_lets_another_address_through(launch_server, checkpoint):
         assert outside.accepted  # allowed: it was tried
     finally:
         outside.close()
-    client = HTTPWeightSyncClient(server.url)
-    model = trainer_model(checkpoint, seed=62)
-    trainer = trainer_init(NCCLTrainerInitInfo("127.0.0.2", 0, 2, timeout_s=20.0), client=client, source=model)
-    try:
-        trainer.send_weights(weight_version="via-127.0.0.2")
-        assert_engine_serves(server.url, model, "via-127.0.0.2")
-    finally:
-        trainer.shutdown()
-        client.close()
+    _sync_over_nccl(server.url, checkpoint, NCCLTrainerInitInfo("127.0.0.2", 0, 2, timeout_s=20.0), 62, "via-127.0.0.2")
 
 
 @pytest.mark.slow
