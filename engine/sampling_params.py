@@ -17,10 +17,15 @@ def _check_int64(name: str, value: int | None) -> None:
         raise ValueError(f"{name} must fit in 64 bits, got {value}")
 
 
+# The sampler computes in float32: a float beyond its range is infinite there.
+_FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: below it, a penalty is 0 there
+
+
 def _check_finite(name: str, value: float) -> None:
     # NaN slips through every range check (all comparisons are false); infinity through one-sided ones.
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value}")
+    if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
+        raise ValueError(f"{name} must be a finite number (within float32's range), got {value}")
 
 
 class RequestOutputKind(IntEnum):
@@ -97,8 +102,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.repetition_penalty < _FLOAT32_TINY:  # > 0, also once in float32
+            raise ValueError(f"repetition_penalty must be > 0 (at least {_FLOAT32_TINY:.3g}), got {self.repetition_penalty}")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -124,6 +124,12 @@ class Sampler:
                 md.frequency_penalties,
                 md.repetition_penalties,
             )
+        if md.logit_bias or _has_penalties(md):
+            # Valid but extreme values overflow float32: a positive logit / a tiny repetition penalty, or
+            # plus a huge bias, is +inf, and -inf (a masked token) times a penalty that underflowed is NaN.
+            # NaN must never win (it sampled an id past the vocabulary and killed the engine) and +inf must
+            # not make the softmax NaN: they become -inf and the largest float.
+            torch.nan_to_num_(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
 
         if md.all_greedy:
             sampled = logits.argmax(dim=-1)  # [B]

@@ -37,6 +37,10 @@ def llm(tiny_checkpoint):
         ({"top_p": float("nan")}, "top_p"),
         ({"logit_bias": {5: float("nan")}}, r"logit_bias\[5\]"),
         ({"logit_bias": {5: float("-inf")}}, r"logit_bias\[5\]"),
+        # The sampler computes in float32: 5e-324 is 0 there (it once sampled an id past the vocabulary), 1e39 inf.
+        ({"repetition_penalty": 5e-324}, "repetition_penalty"),
+        ({"logit_bias": {5: 1e39}}, r"logit_bias\[5\]"),
+        ({"temperature": 1e39}, "temperature"),
         # Integers past 64 bits never reach msgspec or torch.
         ({"max_tokens": 2**64}, "max_tokens"),
         ({"top_k": 2**70}, "top_k"),

@@ -133,3 +133,24 @@ def test_allowed_token_ids(make_md):
     greedy = Sampler()(logits[:2], make_md(2, temperature=0.0, allowed_token_ids_mask=banned[:2])).sampled_token_ids
     assert greedy[0].item() == [1, 6][logits[0, [1, 6]].argmax().item()]
     assert greedy[1].item() == logits[1].argmax().item()
+
+
+def test_extreme_penalties_and_biases_never_sample_past_the_vocabulary(make_md):
+    """A repetition penalty that is 0 in float32 (5e-324, once accepted) made masked logits NaN (-inf * 0)
+    and positive ones +inf: the sampler returned id == vocab_size and the engine died in the logprob gather.
+    Now NaN never wins and +inf is the largest float: every row samples an allowed token, with finite logprobs."""
+    torch.manual_seed(0)
+    vocab, rows = 600, 8  # sparse and dense sampling paths (a row keeps 1 or all of 600 tokens)
+    logits = torch.randn(rows, vocab) * 5
+    banned = torch.ones(rows, vocab, dtype=torch.bool)
+    banned[:4, 7] = False  # rows 0-3 may only say 7
+    banned[4:] = False
+    seen = [[7, 8, 9]] * rows
+    for penalty in (0.0, 1.2e-38):
+        md = make_md(rows, temperature=[1.0] * 4 + [0.0] * 4, repetition_penalties=torch.full((rows,), penalty),
+                     output_token_ids=seen, allowed_token_ids_mask=banned, logit_bias={5: {3: 3e38}},
+                     max_num_logprobs=2)
+        out = Sampler()(logits.clone(), md)
+        ids = out.sampled_token_ids.tolist()
+        assert all(0 <= t < vocab for t in ids) and ids[:4] == [7] * 4, ids
+        assert torch.isfinite(out.logprobs.logprobs[:4, 0]).all()
