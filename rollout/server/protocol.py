@@ -19,6 +19,12 @@ MAX_LOGPROBS = 20
 # Most stop strings one request may carry: each is searched for in every step's new text.
 MAX_STOP_STRINGS = 64
 
+# The ranges SamplingParams enforces, written into the schema too, so that /openapi.json says what
+# the server accepts (client generators and fuzzers read it).
+TokenId = Annotated[int, Field(ge=0)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+NonEmptyText = Annotated[str, Field(min_length=1)]
+
 
 class RequestModel(BaseModel):
     """Base of request bodies: unknown fields are a 400 naming the field, and no silent coercion
@@ -65,32 +71,32 @@ class SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions: OpenAI's, then vLLM's extras."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1)
     """Samples per prompt; at most the engine's max_num_seqs (--max-num-seqs)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extra sampling fields (same names and meanings).
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
-    prompt_logprobs: int | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    prompt_logprobs: NumLogprobs | None = None
     repetition_detection: RepetitionDetection | None = None
     priority: int = 0
     return_token_ids: bool = False
@@ -99,17 +105,10 @@ class SamplingRequest(RequestModel):
     """MoE models: add each choice's routed_experts, [position][moe_layer][k] expert ids of prompt + output[:-1]
     (routing replay; a stream sends each chunk's new positions, which concatenate to the whole)."""
 
-    def _check_common(self) -> None:
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options: only allowed when stream is true")
-        if self.prompt_logprobs is not None and self.prompt_logprobs > MAX_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be at most {MAX_LOGPROBS}, got {self.prompt_logprobs}")
-
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams from the shared fields; SamplingParams raises ValueError naming a bad field."""
-        self._check_common()
-        if logprobs is not None and logprobs > MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
         return SamplingParams(
             n=self.n,
             presence_penalty=self.presence_penalty,
@@ -158,15 +157,21 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 # A completion prompt: text, token ids, or a batch of either.
-CompletionPrompt = str | list[int] | list[str] | list[list[int]]
+# Each non-empty (the engine refuses an empty prompt).
+CompletionPrompt = (
+    NonEmptyText
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[list[NonEmptyText], Field(min_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+)
 
 
 class CompletionRequest(SamplingRequest):
     """Body of POST /v1/completions."""
 
     prompt: CompletionPrompt
-    max_tokens: int | None = 16  # OpenAI's default for legacy completions
-    logprobs: int | None = None
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for legacy completions
+    logprobs: NumLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -175,9 +180,7 @@ class CompletionRequest(SamplingRequest):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if not p:
-            raise ValueError("prompt: must not be empty")
-        if isinstance(p[0], int):
+        if isinstance(p[0], int):  # p is not empty (CompletionPrompt)
             return [{"prompt_token_ids": list(p)}]
         if isinstance(p[0], str):
             return list(p)
@@ -213,9 +216,9 @@ class ChatCompletionRequest(SamplingRequest):
     """Body of POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = None
     # vLLM's chat extras.
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
