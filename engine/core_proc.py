@@ -398,7 +398,10 @@ class EngineCoreProc:
             return False
         reason = f"the engine is {status}" + ("; send the retry instruction" if status == EngineStatus.UNHEALTHY else "")
         if request_type == EngineCoreRequestType.ADD.value:
-            error = EngineCoreOutput(payload.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=reason)
+            # A dead engine's refusal carries the EngineDeadError prefix (as _add_request's does), so the
+            # frontend raises it as such instead of ending the request with an ordinary error output.
+            stop_reason = f"EngineDeadError: {reason}" if status == EngineStatus.DEAD else reason
+            error = EngineCoreOutput(payload.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=stop_reason)
             self._send(client_index, EngineCoreOutputs(outputs=[error], timestamp=time.time()))
             return True
         if request_type == EngineCoreRequestType.UTILITY.value:
