@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -12,15 +13,42 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+GPU_DIR = Path(__file__).resolve().parent / "gpu"  # the one home of the GPU tier
+
+
+def misplaced_gpu_tests(items, gpu_dir: Path = GPU_DIR) -> list[str]:
+    """One line per collected test that breaks "gpu-marked if and only if under tests/gpu".
+
+    The marker itself is asked (get_closest_marker), not item.keywords: keywords also hold the names
+    of the item's parent nodes, so every test under a directory called gpu would have "gpu" there."""
+    problems = []
+    for item in items:
+        inside = gpu_dir in Path(item.path).resolve().parents
+        marked = item.get_closest_marker("gpu") is not None
+        if marked and not inside:
+            problems.append(f"{item.nodeid}: marked gpu but outside tests/gpu (move it to tests/gpu)")
+        elif inside and not marked:
+            problems.append(f"{item.nodeid}: under tests/gpu but not marked gpu (add pytestmark = pytest.mark.gpu)")
+    return problems
+
+
 def pytest_collection_modifyitems(config, items):
+    problems = misplaced_gpu_tests(items)
+    if problems:
+        raise pytest.UsageError(
+            "GPU tests live in tests/gpu, and every test there is marked gpu "
+            "(benchmarks/run_gpu.sh runs `pytest tests/gpu -m gpu`):\n  " + "\n  ".join(problems)
+        )
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
     import torch
 
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+    for item in gpu_items:
+        item.add_marker(skip_gpu)
 
 
 @pytest.fixture(scope="session")
