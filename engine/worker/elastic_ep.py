@@ -144,7 +144,7 @@ def reconfigure_worker(worker, plan: dict) -> None:
         shrink:  experts move over the old group; leave it; the staying ranks join the new one
     """
     from engine.distributed.parallel_state import destroy_expert_parallel, get_ep, init_expert_parallel
-    from engine.worker.weight_update import hf_remote_shapes, hf_weight_layout
+    from engine.models.hf_layout import hf_remote_shapes, hf_weight_layout
 
     old_size, new_size = plan["old_size"], plan["new_size"]
     old_rank, new_rank = plan["old_rank"], plan["new_rank"]

@@ -1,4 +1,4 @@
-"""WeightUpdater: the worker's weight-update lifecycle, validation, rollback, checksums and HF-name view of the model.
+"""WeightUpdater: one model's weight-update lifecycle in the worker (validation, rollback and landing in their own modules), and WeightUpdaters.
 
 Lifecycle (enforced; misuse raises WeightUpdateStateError, bad input ValueError):
 
@@ -11,19 +11,24 @@ Lifecycle (enforced; misuse raises WeightUpdateStateError, bad input ValueError)
     abort_update()                      -> ready      (the weights of before start_update serve)
     shutdown()                          -> not initialized (an update in progress is aborted)
 
-Landing streams: the call's announced metadata is checked before anything is received; then
-each (name, tensor or SparseWeightPatch) the backend yields is checked (known HF name, that
-name's shape, a floating dtype, finite values) and landed through the model's own weight
-loaders (`model.load_weights`, which maps q/k/v and gate/up onto the fused parameters, and a
-MoE layer's per-expert tensors onto its stacked expert parameters) before the next one is
-pulled, so a backend can reuse its receive buffer and memory stays bounded.
-Before a weight is first overwritten in an update its old value is kept (on the device, on
-the CPU, or not at all: `weight_update_rollback`), which makes two guarantees possible:
+One landing path for every backend. A call's announced names, shapes and dtypes are checked before
+anything is received (weight_checks.py); then its tensors (or SparseWeightPatches) arrive in groups,
+and each group is checked, saved for rollback (weight_rollback.py) and landed through the model's
+own weight loaders (weight_landing.py), its plain slices by one multi-tensor copy. The groups are
+what the backend promises about its views:
+  - streaming, one tensor a group: landed before the next is pulled, so a backend can reuse its
+    receive buffer and memory stays bounded;
+  - packed (WeightUpdateInfo.group_sizes, nccl's packs): a pack's views are valid together;
+  - whole call (views_stable_per_call, ipc): every view is valid until the call returns, so the call
+    is one group, landed once the stream ended and everything was checked; a call the backend marks
+    as a repeat (reuse_key) lands by the plan built (and validated) the first time.
+NaN/inf checks are queued on the device and read once per call, after the backend's stream ended
+(so a rejected call leaves its transport usable); with weight_update_rollback "none" before each
+group lands, since nothing could undo it. The rollback copies make two guarantees possible:
   - a call that fails validation restores what it changed ("no weight was changed") and the
     update stays in progress;
   - a transfer that fails (the backend raises: dead peer, timeout) restores every weight the
     update changed and ends the update (WeightTransferError names the tensor it was on).
-Copies are in place, so parameter addresses (and CUDA graphs that recorded them) stay valid.
 
 Tensor parallelism: every rank receives the FULL HF tensors (names, shapes and validation are
 those of the HF model) and lands only the slice it holds (HFSlot.shard_of; the loaders narrow
@@ -44,12 +49,9 @@ restores both.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import math
+import itertools
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -57,16 +59,13 @@ from torch import nn
 from engine.allowed_hosts import LOOPBACK_HOSTS, AllowedHosts
 from engine.distributed import get_tp
 from engine.exceptions import WeightTransferError, WeightUpdateStateError
-from engine.models.layers import HFPart, hf_parts_of
+from engine.models.hf_layout import dtype_name, full_shape, hf_remote_shapes, hf_weight_layout
 from engine.worker.transfer_init import PendingInit
-from weight_transfer.base import SparseWeightPatch, WeightTransferEngine, get_engine_backend
+from engine.worker.weight_checks import FiniteChecks, check_received, check_weights
+from engine.worker.weight_landing import LandingPlan, land, plan_landing
+from engine.worker.weight_rollback import WeightRollback
+from weight_transfer.base import SparseWeightPatch, WeightTransferEngine, WeightUpdateInfo, get_engine_backend
 from weight_transfer.checksums import compare_checksums, tensor_checksum
-
-logger = logging.getLogger(__name__)
-
-# Recomputed from the config by every implementation: accepted in an update, never loaded.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
 
 _MAX_PLANS = 64  # landing plans kept (one per recurring call: a model's packs)
 
@@ -74,166 +73,6 @@ _MAX_PLANS = 64  # landing plans kept (one per recurring call: a model's packs)
 # weight_checker's model): the served model, and speculative decoding's draft model.
 TARGET_MODEL, DRAFT_MODEL = "target", "draft"
 WEIGHT_MODELS = (TARGET_MODEL, DRAFT_MODEL)
-
-
-@dataclass
-class _LandingPlan:
-    """How one update_weights call of a views_stable backend lands: built (and validated) on the
-    first call with a reuse_key, used again by every later call with the same key."""
-
-    names: list[str]  # every received name, in order
-    checked: list[torch.Tensor] = field(default_factory=list)  # received floating tensors: the finite check
-    checked_names: list[str] = field(default_factory=list)
-    targets: list[str] = field(default_factory=list)  # landing names of dsts
-    # Flat views of the parameters (or fused rows) and of the received tensors (this rank's slice),
-    # same order; a slice that is not contiguous (a row-parallel weight's columns) is kept as a view of equal shape.
-    dsts: list[torch.Tensor] = field(default_factory=list)
-    srcs: list[torch.Tensor] = field(default_factory=list)
-    rest: list[tuple[str, "torch.Tensor | SparseWeightPatch"]] = field(default_factory=list)  # via the loaders
-
-
-@dataclass(frozen=True)
-class HFSlot:
-    """Where one HF-named tensor lives in the engine on this rank: a whole parameter, or rows of a
-    fused (or vocab-padded) one; and, under tensor parallelism, which slice of the full HF tensor
-    those hold.
-
-        full HF tensor (shape)  --narrow(shard_dim, shard_start, shard_size)-->  tensor()  (local_shape)
-    """
-
-    param: nn.Parameter
-    param_shape: tuple[int, ...]  # the parameter's shape when resident (sleep mode may swap its data for an empty tensor)
-    index: int | None = None  # a stacked parameter's (MoE experts) entry on dim 0 that holds the tensor; None: not stacked
-    offset: int | None = None  # first row (dim 0) of the local view in the parameter (in the entry); None: all of it
-    size: int | None = None  # number of rows of the local view
-    alias_of: str | None = None  # tied weights: the HF name that owns the shared parameter
-    full_shape: tuple[int, ...] | None = None  # the HF tensor's shape; None: the local view's
-    shard_dim: int | None = None  # the full tensor's dim this rank holds a slice of; None: all of it (replicated)
-    shard_start: int | None = None
-    shard_size: int | None = None
-
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        shape = self.param_shape if self.index is None else self.param_shape[1:]
-        if self.offset is None:
-            return shape
-        return (self.size, *shape[1:])
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The full HF tensor's shape: what a trainer sends and validation checks."""
-        return self.full_shape if self.full_shape is not None else self.local_shape
-
-    @property
-    def shard(self) -> dict | None:
-        """{"dim", "start", "size"} of the full tensor this rank holds; None when it holds all of it."""
-        if self.shard_dim is None:
-            return None
-        return {"dim": self.shard_dim, "start": self.shard_start, "size": self.shard_size}
-
-    def tensor(self) -> torch.Tensor:
-        """This rank's view of the weight in the parameter (local_shape)."""
-        data = self.param.data
-        if self.index is not None:
-            data = data.select(0, self.index)
-        return data if self.offset is None else data.narrow(0, self.offset, self.size)
-
-    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        """The slice of a full HF tensor that lands in tensor() (a view; the tensor itself when replicated)."""
-        return full if self.shard_dim is None else full.narrow(self.shard_dim, self.shard_start, self.shard_size)
-
-    def local_indices(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat int64 positions in the full tensor of a sharded slot -> (positions in tensor() of those
-        this rank holds, the mask of which of `indices` those are).
-
-        With the full tensor viewed as [outer, full_shape[dim], inner], position i is at
-        (i // (n * inner), (i // inner) % n, i % inner); the rank holds the middle coordinates
-        [start, start + size).
-        """
-        n = self.shape[self.shard_dim]
-        inner = math.prod(self.shape[self.shard_dim + 1:])
-        coord = (indices // inner) % n
-        held = (coord >= self.shard_start) & (coord < self.shard_start + self.shard_size)
-        indices, coord = indices[held], coord[held]
-        local = (indices // (n * inner)) * (self.shard_size * inner) + (coord - self.shard_start) * inner + indices % inner
-        return local, held
-
-
-def _slot(param: nn.Parameter, part: HFPart) -> HFSlot:
-    slot = HFSlot(
-        param, tuple(param.shape), index=part.index,
-        offset=None if part.rows is None else part.offset, size=part.rows,
-        full_shape=part.full_shape, shard_dim=part.dim,
-        shard_start=None if part.dim is None else part.start, shard_size=None if part.dim is None else part.size,
-    )
-    if slot.local_shape != part.local_shape:  # a layer's parts disagree with its parameter
-        raise TypeError(f"parameter of shape {list(param.shape)}: its HF part {part} has local shape {list(part.local_shape)}, "
-                        f"but the view is {list(slot.local_shape)}")
-    return slot
-
-
-def hf_weight_layout(model: nn.Module) -> dict[str, HFSlot]:
-    """{hf_name: HFSlot} for every weight of `model`, the inverse of load_weights_with_mapping's renaming.
-
-    A fused parameter `...qkv_proj.weight` appears as `...q_proj.weight`, `...k_proj.weight`,
-    `...v_proj.weight` (its row blocks, in the mapping's order); a parameter shared under a
-    second name (a tied lm_head.weight) appears under both, the second as an alias. Each
-    parameter says which slices of which HF tensors it holds (engine.models.layers.hf_parts_of);
-    parts that name themselves (a MoE layer's stacked experts: `...experts.w13_weight` holds
-    `...experts.{e}.gate_proj.weight` and `...experts.{e}.up_proj.weight` for every expert e)
-    appear under `<module path>.<part name>`.
-    """
-    mapping: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {})
-    layout: dict[str, HFSlot] = {}
-    owner_of: dict[int, str] = {}  # id(param) -> the HF name it was first seen under
-    for param_name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in owner_of:
-            owner = owner_of[id(param)]
-            layout[param_name] = dataclasses.replace(layout[owner], alias_of=owner)
-            continue
-        owner_of[id(param)] = param_name
-        module_path = param_name.rpartition(".")[0]
-        packed = module_path.rpartition(".")[2]
-        sources = mapping.get(packed)
-        parts = hf_parts_of(param)
-        if parts[0].name is not None:  # the parts name their HF tensors themselves
-            for part in parts:
-                layout[f"{module_path}.{part.name}"] = _slot(param, part)
-            continue
-        if sources is None:
-            if len(parts) != 1:
-                raise TypeError(f"{param_name} fuses {len(parts)} tensors but is not in packed_modules_mapping")
-            layout[param_name] = _slot(param, parts[0])
-            continue
-        if len(parts) != len(sources):
-            raise TypeError(f"{param_name}: packed_modules_mapping lists {sources}, but the parameter holds {len(parts)} tensors")
-        for source, part in zip(sources, parts):
-            layout[param_name.replace(f".{packed}.", f".{source}.")] = _slot(param, part)
-    return layout
-
-
-def hf_remote_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """{hf_name: shape} of the expert tensors other expert-parallel ranks hold (empty without expert
-    parallelism): the stacked parameters with `local_experts` / `num_experts` (engine.models.moe.FusedExperts)
-    hold the same tensors, of the same shapes, for every expert; this lists the experts they lack."""
-    remote: dict[str, tuple[int, ...]] = {}
-    for param_name, param in model.named_parameters():
-        local_experts = getattr(param, "local_experts", None)
-        if local_experts is None or len(local_experts) == param.num_experts:
-            continue
-        module_path = param_name.rpartition(".")[0]
-        parts = hf_parts_of(param)
-        first_expert = parts[: len(parts) // len(local_experts)]  # one expert's tensors, e.g. gate_proj and up_proj
-        for expert_id in range(param.num_experts):
-            if expert_id in local_experts:
-                continue
-            for part in first_expert:  # part.name is "{e}.gate_proj.weight": swap in this expert's id
-                remote[f"{module_path}.{expert_id}.{part.name.partition('.')[2]}"] = part.full_shape
-    return remote
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class WeightUpdater:
@@ -244,9 +83,9 @@ class WeightUpdater:
         self.model = model
         self.name = name  # which of the worker's models (WEIGHT_MODELS) this updates
         self.device = device
-        self.rollback = rollback
         # Where a backend may connect (WeightTransferConfig.weight_transfer_allowed_hosts); default loopback only.
         self.allowed_hosts = allowed_hosts if allowed_hosts is not None else AllowedHosts.parse(LOOPBACK_HOSTS)
+        # The HF-name view of the model (elastic EP replaces both when this rank's experts change).
         self.layout = hf_weight_layout(model)
         self.remote = hf_remote_shapes(model)  # other EP ranks' experts: validated, never landed
         self.transfer_engine: WeightTransferEngine | None = None
@@ -255,8 +94,8 @@ class WeightUpdater:
         # False after a failed transfer that could not be rolled back (rollback "none"): the
         # weights are a mix and must not serve until an update finishes.
         self.consistent = True
-        self._saved: dict[str, torch.Tensor] = {}  # hf name -> value before this update (flat rollback copies)
-        self._plans: dict[Hashable, _LandingPlan] = {}  # reuse_key -> how that recurring call lands
+        self._rollback = WeightRollback(rollback, lambda hf_name: self.layout[hf_name].tensor())
+        self._plans: dict[Hashable, LandingPlan] = {}  # reuse_key -> how that recurring call lands
         self._plans_for: tuple[int, ...] = ()  # the parameter addresses the plans' views point into
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -299,195 +138,108 @@ class WeightUpdater:
         addresses = tuple(slot.param.data_ptr() for slot in self.layout.values())
         if addresses != self._plans_for:  # the weights moved (sleep and wake_up): the plans' views are stale
             self._plans, self._plans_for = {}, addresses
-        self._saved = {}
+        self._rollback.clear()
         self.updating = True
 
     def update_weights(self, update_info: dict) -> int:
-        """Receives, validates and lands one batch of tensors or patches; returns how many were received."""
+        """Receives, validates and lands one call's tensors or patches (see the module docstring);
+        returns how many were received."""
         engine = self._require_engine("update_weights")
         if not self.updating:
             raise WeightUpdateStateError("update_weights: no weight update in progress; call start_weight_update first")
         self._require_resident("update_weights")
         info = engine.parse_update_info(update_info)
-        plan = self._plans.get(info.reuse_key) if info.reuse_key is not None else None
-        if plan is None:  # a reused plan was validated when it was built
-            self._validate(list(zip(info.names, info.dtypes, info.shapes)))  # before anything moves
-        if engine.views_stable_per_call and self.rollback != "none":
-            return self._update_together(engine, info, plan)
-        if info.group_sizes and self.rollback != "none":
-            return self._update_in_groups(engine, info)
-        first_saved_here: list[str] = []  # rollback copies this call made (restored if it fails)
-        resaved: dict[str, torch.Tensor] = {}  # call-start values of weights an earlier call changed
-        # NaN/inf checks are queued on the device and read once per call (one host sync, not one per tensor).
-        finite_checks: list[tuple[str, torch.Tensor]] = []
-        name = None
+        whole_call = engine.views_stable_per_call
+        reused = self._plans.get(info.reuse_key) if whole_call and info.reuse_key is not None else None
+        finite = FiniteChecks()
+        after_stream: list[LandingPlan] = []  # groups whose views outlive the stream: landed once all is checked
+        self._rollback.start_call()
+        stream = None
+        name = None  # the last tensor received, for the error of a failed transfer
         count = 0
         try:
-            for name, item in engine.receive_weights(info):
-                self._check_received(name, item, finite_checks)
-                target = self._landing_name(name)
-                if target is not None:
-                    if target not in self._saved:
-                        self._save(target)
-                        first_saved_here.append(target)
-                    elif target not in resaved and self.rollback != "none":
-                        resaved[target] = self.layout[target].tensor().clone()
-                    self._land(target, item)
-                count += 1
-            _raise_if_not_finite([n for n, _ in finite_checks], finite_checks)
-        except ValueError as e:  # a received tensor failed validation: undo this call only
-            self._restore(first_saved_here, resaved)
-            raise ValueError(f"weight update rejected, no weight was changed: {e}") from None
-        except Exception as e:  # the transfer failed: undo the whole update and end it
-            where = f" at {name!r}" if name is not None else " before the first tensor arrived"
-            restored = self._abort()
-            raise WeightTransferError(
-                f"update_weights: the transfer failed{where}: {type(e).__name__}: {e}; "
-                + ("the update was aborted and the previous weights restored" if restored
-                   else "the update was aborted; weights are partly updated (weight_update_rollback=none) "
-                        "and the engine serves nothing until an update finishes")
-            ) from e
-        return count
-
-    def _update_together(self, engine: WeightTransferEngine, info, plan: "_LandingPlan | None") -> int:
-        """update_weights for backends whose tensors stay valid for the whole call: receive them all,
-        check them all (one finite check, one host sync), then land them with one multi-tensor copy.
-
-        Per-tensor Python and kernel launches dominate small models' syncs; this path has a few
-        per call, and none per tensor when the backend marks the call as a repeat (reuse_key):
-        the plan built and validated the first time is used again.
-        """
-        name = None
-        try:
-            received = []
-            for name, item in engine.receive_weights(info):
-                received.append((name, item))
-        except ValueError as e:
-            raise ValueError(f"weight update rejected, no weight was changed: {e}") from None
-        except Exception as e:  # the transfer failed: undo the whole update and end it
-            raise self._transfer_failed(e, name) from e
-        try:
-            if plan is None:
-                plan = self._plan(received)
-                if info.reuse_key is not None:
-                    if len(self._plans) >= _MAX_PLANS:
-                        self._plans.clear()
-                    self._plans[info.reuse_key] = plan
-            elif len(received) != len(plan.names):
-                raise ValueError(f"the backend delivered {len(received)} tensors for a call of {len(plan.names)}")
-            _check_finite(plan)
-        except ValueError as e:  # nothing has landed yet
-            raise ValueError(f"weight update rejected, no weight was changed: {e}") from None
-        self._save_many([(t, d) for t, d in zip(plan.targets, plan.dsts) if t not in self._saved])
-        self._save_many([(t, self.layout[t].tensor()) for t, _ in plan.rest if t not in self._saved])
-        self._land_plan(plan)
-        if plan.srcs and plan.srcs[0].is_cuda:  # the backend's buffer is reused once this call returns
-            torch.cuda.current_stream(plan.srcs[0].device).synchronize()
-        return len(received)
-
-    def _update_in_groups(self, engine: WeightTransferEngine, info) -> int:
-        """update_weights for backends that deliver runs of tensors valid together (info.group_sizes,
-        e.g. nccl's packs): each run is checked (one finite check, one host sync) and landed with one
-        multi-tensor copy before the next run is pulled, instead of a few kernels and checks per tensor.
-
-        Rollback is the streamed path's: a bad tensor undoes this call's changes; a failed transfer
-        restores everything since start_update and ends the update.
-        """
-        if sum(info.group_sizes) != len(info.names):
-            raise ValueError(f"the backend's group_sizes cover {sum(info.group_sizes)} of {len(info.names)} tensors")
-        first_saved_here: list[str] = []  # rollback copies this call made (restored if it fails)
-        resaved: dict[str, torch.Tensor] = {}  # call-start values of weights an earlier call changed
-        stream = engine.receive_weights(info)
-        name = None
-        count = 0
-        try:
-            for size in info.group_sizes:
+            if reused is None:  # a reused plan was validated when it was built
+                check_weights(zip(info.names, info.dtypes, info.shapes), self._full_shape)  # before anything is received
+            elif reused.num_tensors != len(info.names):
+                raise ValueError(f"the backend delivered {len(info.names)} tensors for a call of {reused.num_tensors}")
+            stream = iter(engine.receive_weights(info))
+            for size in self._group_sizes(info, whole_call):
                 group = []
-                for _ in range(size):
-                    name, item = next(stream)
+                for name, item in itertools.islice(stream, size):
                     group.append((name, item))
-                try:
-                    plan = self._plan(group)
-                    _check_finite(plan)
-                except ValueError as e:
-                    self._restore(first_saved_here, resaved)
-                    raise ValueError(f"weight update rejected, no weight was changed: {e}") from None
-                touched = list(dict.fromkeys([*plan.targets, *(t for t, _ in plan.rest)]))
-                for target in touched:
-                    if target in self._saved and target not in first_saved_here and target not in resaved:
-                        resaved[target] = self.layout[target].tensor().clone()
-                fresh = [t for t in touched if t not in self._saved]
-                self._save_many([(t, self.layout[t].tensor()) for t in fresh])
-                first_saved_here += fresh
-                self._land_plan(plan)
-                count += size
-            next(stream, None)  # runs the backend's stream to its end (it marks the call complete)
-        except ValueError:
-            raise
+                count += len(group)
+                if len(group) < size:
+                    raise ValueError(f"the backend delivered {count} tensors for a call of {len(info.names)}")
+                plan = reused or self._plan(group, info.reuse_key if whole_call else None)
+                finite.add(group)
+                if whole_call:
+                    after_stream.append(plan)
+                else:  # its views end with the next pull: it lands now
+                    if self._rollback.mode == "none":  # nothing could undo it: no NaN may land
+                        finite.check()
+                    self._land(plan)
+            if next(stream, None) is not None:  # runs the backend's stream to its end (it marks the call complete)
+                raise ValueError(f"the backend delivered more than the {len(info.names)} tensors of the call")
+            finite.check()
+            for plan in after_stream:
+                self._land(plan)
+                if plan.srcs and plan.srcs[0].is_cuda:  # the backend refills its buffer once the call returns
+                    torch.cuda.current_stream(plan.srcs[0].device).synchronize()
+        except ValueError as e:  # a tensor failed validation (or the backend refused one): undo this call only
+            self._rollback.undo_call()
+            raise ValueError(f"weight update rejected, no weight was changed: {e}") from None
         except Exception as e:  # the transfer failed: undo the whole update and end it
             raise self._transfer_failed(e, name) from e
         finally:
-            stream.close()
+            if hasattr(stream, "close"):  # a generator: stopped early, it releases what it holds
+                stream.close()
         return count
 
-    def _land_plan(self, plan: "_LandingPlan") -> None:
-        """One multi-tensor copy for the plan's plain slices, the model's loaders for the rest."""
-        with torch.no_grad():
-            if plan.dsts:
-                torch._foreach_copy_(plan.dsts, plan.srcs)
-            for target, t in plan.rest:
-                self._land(target, t)
+    def _group_sizes(self, info: WeightUpdateInfo, whole_call: bool) -> list[int]:
+        """How many tensors of the call arrive together, group by group (see the module docstring)."""
+        if whole_call:
+            return [len(info.names)]
+        if info.group_sizes:
+            if sum(info.group_sizes) != len(info.names):
+                raise ValueError(f"the backend's group_sizes cover {sum(info.group_sizes)} of {len(info.names)} tensors")
+            return info.group_sizes
+        return [1] * len(info.names)
+
+    def _plan(self, group: list[tuple[str, torch.Tensor | SparseWeightPatch]], reuse_key: Hashable | None) -> LandingPlan:
+        """Validates a received group (ValueError naming each bad tensor) and plans its landing; kept
+        under reuse_key for the backend's repeats of the call."""
+        check_received(group, self._full_shape)
+        plan = plan_landing(self.layout, self.remote, group)
+        if reuse_key is not None:
+            if len(self._plans) >= _MAX_PLANS:
+                self._plans.clear()
+            self._plans[reuse_key] = plan
+        return plan
+
+    def _full_shape(self, name: str) -> tuple[int, ...] | None:
+        return full_shape(self.layout, self.remote, name)
+
+    def _land(self, plan: LandingPlan) -> None:
+        self._rollback.save(plan.touched)  # before anything is overwritten
+        land(self.model, self.layout, plan)
 
     def _transfer_failed(self, error: Exception, name: str | None) -> WeightTransferError:
         """After a failed transfer: restores everything since start_update, ends the update, and gives the error to raise."""
         where = f" at {name!r}" if name is not None else " before the first tensor arrived"
-        self._abort()
+        restored = self._abort()
         return WeightTransferError(
             f"update_weights: the transfer failed{where}: {type(error).__name__}: {error}; "
-            "the update was aborted and the previous weights restored"
+            + ("the update was aborted and the previous weights restored" if restored
+               else "the update was aborted; weights are partly updated (weight_update_rollback=none) "
+                    "and the engine serves nothing until an update finishes")
         )
-
-    def _plan(self, received: list[tuple[str, "torch.Tensor | SparseWeightPatch"]]) -> "_LandingPlan":
-        """Checks one call's received tensors against the model (ValueError names the first bad one)
-        and pairs each with the flat view of the parameter (rows) it lands in."""
-        plan = _LandingPlan(names=[n for n, _ in received])
-        for n, t in received:
-            if isinstance(t, SparseWeightPatch):
-                self._check_received(n, t, [])
-            else:
-                self._check_metadata(n, t)
-                if t.dtype.is_floating_point and t.numel():
-                    plan.checked.append(t)
-                    plan.checked_names.append(n)
-            target = self._landing_name(n)
-            if target is None:
-                continue
-            slot = self.layout[target]
-            dst = slot.tensor()
-            if isinstance(t, SparseWeightPatch) or t.dtype != dst.dtype or t.device.type != dst.device.type:
-                plan.rest.append((target, t))  # through the model's loaders
-                continue
-            src = slot.shard_of(t)  # this rank's slice (t itself without tensor parallelism)
-            plan.targets.append(target)
-            if dst.is_contiguous() and src.is_contiguous():
-                plan.dsts.append(dst.view(-1))
-                plan.srcs.append(src.view(-1))
-            else:  # e.g. a row-parallel weight's columns: a strided copy of the same shape
-                plan.dsts.append(dst)
-                plan.srcs.append(src)
-        return plan
-
-    def _check_metadata(self, name: str, tensor: torch.Tensor) -> None:
-        problems = self._problems(name, tensor.dtype, tuple(tensor.shape))
-        if problems:
-            raise ValueError("; ".join(problems))
 
     def finish_update(self) -> None:
         engine = self._require_engine("finish_weight_update")
         if not self.updating:
             raise WeightUpdateStateError("finish_weight_update: no weight update in progress; call start_weight_update first")
         self.updating = False
-        self._saved = {}
+        self._rollback.clear()
         self.consistent = True
         engine.finish_update()
 
@@ -506,77 +258,13 @@ class WeightUpdater:
         self.transfer_engine, self.backend, self.updating = None, None, False
         self._plans = {}
 
-    # ---- landing and rollback ------------------------------------------------------------------
-
-    def _landing_name(self, name: str) -> str | None:
-        """The layout name a received tensor lands under (a tied alias lands in its owner); None: ignored."""
-        if name.endswith(_IGNORED_SUFFIXES) or name in self.remote:
-            return None
-        return self.layout[name].alias_of or name
-
-    def _save(self, name: str) -> None:
-        self._save_many([(name, self.layout[name].tensor())])
-
-    def _save_many(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        """Keeps the current value (given) of each named weight for rollback: one allocation and one
-        multi-tensor copy per (dtype, device), not one clone per tensor. The copies are kept flat."""
-        if self.rollback == "none":
-            self._saved.update((name, None) for name, _ in items)  # touched, nothing kept
-            return
-        items = list(dict(items).items())  # a tied pair may name its owner twice
-        groups: dict[tuple[torch.dtype, torch.device], list[tuple[str, torch.Tensor]]] = {}
-        for name, current in items:
-            groups.setdefault((current.dtype, current.device), []).append((name, current))
-        for (dtype, device), group in groups.items():
-            where = torch.device("cpu") if self.rollback == "cpu" else device
-            flat = torch.empty(sum(t.numel() for _, t in group), dtype=dtype, device=where)
-            copies = flat.split([t.numel() for _, t in group])
-            currents = [t.view(-1) if t.is_contiguous() else t.reshape(-1) for _, t in group]
-            with torch.no_grad():
-                if where == device:
-                    torch._foreach_copy_(copies, currents)
-                else:  # device to host: plain copies (multi-tensor copies stay on one device)
-                    for c, t in zip(copies, currents):
-                        c.copy_(t)
-            self._saved.update((name, c) for (name, _), c in zip(group, copies))
-
-    def _land(self, name: str, item: torch.Tensor | SparseWeightPatch) -> None:
-        with torch.no_grad():
-            if isinstance(item, SparseWeightPatch):
-                # The HF slot is the loaders' inverse: the patched coordinates (of the full tensor) land in
-                # the right rows of a fused parameter, and only those of this rank's slice land at all.
-                slot = self.layout[name]
-                flat = slot.tensor().view(-1)
-                indices = item.indices.to(flat.device, torch.long)
-                values = item.values.to(flat.device, flat.dtype)
-                if slot.shard_dim is not None:
-                    indices, held = slot.local_indices(indices)
-                    values = values[held]
-                flat[indices] = values
-            else:
-                self.model.load_weights([(name, item)])
-
-    def _restore(self, first_saved: list[str], resaved: dict[str, torch.Tensor]) -> bool:
-        """Puts back the given weights; False when rollback copies were not kept."""
-        if self.rollback == "none" and first_saved:
-            return False
-        with torch.no_grad():
-            for name in first_saved:
-                dst = self.layout[name].tensor()
-                dst.copy_(self._saved.pop(name).view(dst.shape))  # kept flat
-            for name, value in resaved.items():
-                self.layout[name].tensor().copy_(value)
-        return True
-
     def _abort(self) -> bool:
         """Restores every weight changed since start_update and ends the update; False if it could not."""
-        restored = self._restore(list(self._saved), {})
-        self.consistent = restored or not self._saved
-        self._saved = {}
+        self.consistent = self._rollback.undo_update()
         self.updating = False
         if self.transfer_engine is not None:
             self.transfer_engine.abort_update()
-        return restored
+        return self.consistent
 
     def _require_resident(self, method: str) -> None:
         if any(tuple(slot.param.shape) != slot.param_shape for slot in self.layout.values()):
@@ -590,63 +278,6 @@ class WeightUpdater:
             raise WeightUpdateStateError(f"{method}: no weight transfer engine; call init_weight_transfer_engine first")
         return self.transfer_engine
 
-    # ---- validation ----------------------------------------------------------------------------
-
-    def _validate(self, metadata: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
-        """Raises one ValueError listing every bad announced tensor as `name: reason`."""
-        problems: list[str] = []
-        seen: set[str] = set()
-        for name, dtype, shape in metadata:
-            if name in seen:
-                problems.append(f"{name!r}: sent twice in one update")
-                continue
-            seen.add(name)
-            problems += self._problems(name, dtype, shape)
-        if problems:
-            shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
-            raise ValueError("weight update rejected, no weight was changed: " + "; ".join(shown))
-
-    def _problems(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], tensor: torch.Tensor | None = None) -> list[str]:
-        if name.endswith(_IGNORED_SUFFIXES):
-            return []
-        expected = self._full_shape(name)
-        if expected is None:
-            return [f"{name!r}: matches no parameter of the model (HF naming expected)"]
-        problems = []
-        if tuple(shape) != expected:
-            problems.append(f"{name!r}: shape {list(shape)} does not match the model's {list(expected)}")
-        if not dtype.is_floating_point:
-            problems.append(f"{name!r}: dtype {_dtype_name(dtype)} is not a floating-point dtype")
-        elif tensor is not None and not bool(torch.isfinite(tensor).all()):
-            problems.append(f"{name!r}: contains NaN or inf")
-        return problems
-
-    def _full_shape(self, name: str) -> tuple[int, ...] | None:
-        """The full HF shape of a weight of the model (held here or by another EP rank); None: no such weight."""
-        slot = self.layout.get(name)
-        return slot.shape if slot is not None else self.remote.get(name)
-
-    def _check_received(
-        self, name: str, item: torch.Tensor | SparseWeightPatch, finite_checks: list[tuple[str, torch.Tensor]]
-    ) -> None:
-        """Checks one received tensor or patch against the model (ValueError names it); a dense
-        tensor's NaN/inf check is appended to finite_checks, for _raise_if_not_finite."""
-        if isinstance(item, SparseWeightPatch):
-            expected = self._full_shape(name)
-            if expected is None:
-                raise ValueError(f"{name!r}: matches no parameter of the model (HF naming expected)")
-            if tuple(item.full_shape) != expected:
-                raise ValueError(f"{name!r}: patch shape {list(item.full_shape)} does not match the model's {list(expected)}")
-            item.validate()
-            return
-        problems = self._problems(name, item.dtype, tuple(item.shape))
-        if problems:
-            raise ValueError("; ".join(problems))
-        if item.dtype.is_floating_point and item.numel():
-            finite_checks.append((name, torch.isfinite(item).all()))
-            if self.rollback == "none":  # nothing to restore from: check before it lands
-                _raise_if_not_finite([name], finite_checks[-1:])
-
     # ---- inspection ----------------------------------------------------------------------------
 
     def weight_info(self) -> dict[str, dict]:
@@ -655,7 +286,8 @@ class WeightUpdater:
         aliases included: shape is the full HF tensor's, shard the slice this rank holds (None: all of it). weight_transfer.checksums.hf_state_checksums(state, shards=this) gives the
         checksums this rank should report."""
         return {
-            name: {"shape": list(slot.shape), "dtype": _dtype_name(slot.param.dtype), "shard": slot.shard}
+            name: {"shape": list(slot.shape), "dtype": dtype_name(slot.param.dtype),
+                   "shard": None if slot.shard_dim is None else {"dim": slot.shard_dim, "start": slot.shard_start, "size": slot.shard_size}}
             for name, slot in self.layout.items()
         }
 
@@ -818,24 +450,3 @@ class WeightUpdaters:
     def consistent(self) -> bool:
         return all(u.consistent for u in self.all())
 
-
-def _check_finite(plan: _LandingPlan) -> None:
-    """ValueError naming the first of the plan's received tensors that holds a NaN or inf.
-
-    The max-abs norm is NaN or inf exactly when a tensor holds one: one kernel per group, one sync."""
-    if plan.checked:
-        norms = torch._foreach_norm(plan.checked, float("inf"))
-        _raise_if_not_finite(plan.checked_names, torch.isfinite(torch.stack(norms)))
-
-
-def _raise_if_not_finite(names: list[str], ok: torch.Tensor | list[tuple[str, torch.Tensor]]) -> None:
-    """Raises ValueError naming the first of `names` whose flag in `ok` (a bool tensor, or the
-    queued (name, isfinite().all()) checks) came out False; reading the flags is the one host sync."""
-    if not names:
-        return
-    if isinstance(ok, list):
-        ok = torch.stack([flag for _, flag in ok])
-    ok = ok.cpu()
-    if not bool(ok.all()):
-        bad = [name for name, good in zip(names, ok.tolist()) if not good]
-        raise ValueError(f"{bad[0]!r}: contains NaN or inf" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))

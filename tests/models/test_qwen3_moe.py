@@ -11,10 +11,10 @@ from test_forward_equivalence import engine_step, load_engine_model
 
 from engine import LLM, SamplingParams
 from engine.distributed.parallel_state import TensorParallelState
+from engine.models.hf_layout import hf_weight_layout
 from engine.models.loader import load_hf_config, load_model
 from engine.models.moe import SparseMoeBlock
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
-from engine.worker.weight_update import hf_weight_layout
 from weight_transfer.base import SparseWeightPatch, register_engine_backend
 from weight_transfer.checksums import hf_state_checksums
 from weight_transfer.local import LocalWeightTransferEngine, make_update_info
