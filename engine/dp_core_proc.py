@@ -368,7 +368,9 @@ class DPEngineCoreProc(EngineCoreProc):
         joining = self.dp_group is None
         if joining != (plan.get("old_rank") is None):
             raise RuntimeError(f"reconfigure_elastic_ep: plan {plan} does not match this engine (joined: {not joining})")
-        self.engine_core.executor.collective_rpc("reconfigure_elastic_ep", (plan,))
+        from engine.worker.worker import Worker  # here: the group's coordinator process imports this module, without torch
+
+        self.engine_core.executor.rpc(Worker.reconfigure_elastic_ep, plan)
         rank, size, generation = plan["new_rank"], plan["new_size"], plan["generation"]
         if rank is None:
             self.dp_group.close_group()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig
@@ -22,8 +23,10 @@ from engine.core.scheduler import Scheduler
 from engine.core.stats import SchedulerStats
 from engine.deferred import DeferredResult
 from engine.exceptions import EngineNotReadyError, WeightTransferError, WeightUpdateStateError
-from engine.executor import Executor, get_executor_class
+from engine.executor import Executor, WorkerDiedError, get_executor_class
+from engine.executor.base import OUTPUT_RANK, check_rank_baseline, combine_rank_dicts
 from engine.wire import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from engine.worker.worker import Worker  # the executor's rpc names worker methods by reference
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +45,9 @@ class EngineCore:
         self.has_routed_experts = has_routed_experts(hf)
         self.executor = (executor_class or get_executor_class(config))(config, self.max_model_len)
         try:
-            # Every rank sizes its cache; the smallest count is what all of them allocate.
-            self.num_blocks = self.executor.determine_num_blocks()
-            self.executor.initialize_kv_cache(self.num_blocks)
+            # Every rank sizes its cache; ranks must agree, so the smallest count is what all of them allocate.
+            self.num_blocks = min(self.executor.rpc(Worker.determine_num_blocks))
+            self.executor.rpc(Worker.initialize_kv_cache, self.num_blocks)
         except BaseException:
             self.executor.shutdown()  # no worker processes outlive a failed start
             raise
@@ -197,7 +200,7 @@ class EngineCore:
     def synchronize(self) -> None:
         """Waits until the device has finished everything queued on it (the step in flight collected)."""
         self.drain()
-        self.executor.synchronize()
+        self.executor.rpc(Worker.synchronize)
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's stats (which resets its since-last-stats counters) plus the sleep level."""
@@ -226,7 +229,7 @@ class EngineCore:
         aborted = self._abort_all() if mode == "abort" else []
         self._pause_mode = mode
         self._apply_pause_state()
-        self.executor.synchronize()
+        self.executor.rpc(Worker.synchronize)
         return aborted
 
     def resume(self) -> None:
@@ -258,13 +261,13 @@ class EngineCore:
             aborted = self._abort_all()
             if aborted:
                 logger.warning("EngineCore: sleep(%d) aborted %d in-flight requests", level, len(aborted))
-        self.executor.sleep(level)
+        self.executor.rpc(Worker.sleep, level)
         if level >= 1:
             self.scheduler.reset_prefix_cache()  # the KV it points at is gone
         self._asleep = tags_put_to_sleep(level)
         self._sleep_level = level
         self._apply_pause_state()
-        self.executor.synchronize()
+        self.executor.rpc(Worker.synchronize)
         logger.info("EngineCore: asleep at level %d", level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -288,7 +291,7 @@ class EngineCore:
                 f"tags: 'scheduling' cannot wake while {sorted(memory_left)} still sleeps; wake them together"
             )
         if memory:
-            self.executor.wake_up(sorted(memory))
+            self.executor.rpc(Worker.wake_up, sorted(memory))
             if "weights" in memory and self._sleep_level == 2:
                 # The checkpoint was re-read from disk: outputs must not carry a trained version's
                 # label until a weight update lands (the RL order updates right after this call).
@@ -330,7 +333,7 @@ class EngineCore:
         """
         self._fault_pending = False
         self._in_flight = self._drained = None  # their requests are failed with the rest
-        self.executor.reset_requests()
+        self.executor.rpc(Worker.reset_requests)
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.max_model_len, self.num_blocks,
                                    self.config.speculative.settings)
         self._pending_outputs = []  # their requests were failed with the rest
@@ -384,30 +387,47 @@ class EngineCore:
         init_info's timeout_s: PeerTimeoutError) and the result says when every rank is done.
 
         Until then every other weight-update call is refused (WeightUpdateStateError), and a
-        failed init leaves the previous transfer engine in place: nothing changes in the engine."""
+        failed init leaves the previous transfer engine in place: nothing changes in the engine.
+        The ranks install their new transfer engines together once all are ready, or drop them
+        together when one failed (engine/worker/transfer_init.py)."""
         if self._init_pending:  # here, not in the workers: a failed begin drops every rank's pending init
             raise WeightUpdateStateError(
                 "init_weight_transfer_engine: another init_weight_transfer_engine is still waiting for its peer; "
                 "call again once it has answered"
             )
-        self.executor.begin_weight_transfer_init(init_info)
+        self._init_rpc(Worker.begin_weight_transfer_init, init_info)
         self._init_pending = True
 
         def poll() -> tuple[bool, None]:
             try:
-                done = self.executor.poll_weight_transfer_init()
+                ready = all(self._init_rpc(Worker.poll_weight_transfer_init))
+                if ready:
+                    self.executor.rpc(Worker.commit_weight_transfer_init)
             except BaseException:
                 self._init_pending = False
                 raise
-            self._init_pending = not done
-            return done, None
+            self._init_pending = not ready
+            return ready, None
 
         return DeferredResult(poll)
+
+    def _init_rpc(self, method: Callable, *args: Any) -> list[Any]:
+        """executor.rpc(method, *args) of the init; when a rank raises, every rank's pending init is dropped first."""
+        try:
+            return self.executor.rpc(method, *args)
+        except WorkerDiedError:
+            raise
+        except BaseException:
+            try:
+                self.executor.rpc(Worker.cancel_weight_transfer_init)
+            except Exception as e:  # a worker gone meanwhile: the loop's liveness check reports it
+                logger.warning("cancel_weight_transfer_init after a failed init: %s", e)
+            raise
 
     def start_weight_update(self) -> None:
         """Begins an update; until it finishes or aborts nothing is scheduled (requests queue)."""
         self.drain()
-        self.executor.start_weight_update()
+        self.executor.rpc(Worker.start_weight_update)
         self._set_weight_update_active(True)
         self._last_weight_call = time.monotonic()
 
@@ -420,9 +440,9 @@ class EngineCore:
         """
         self.drain()
         try:
-            num_loaded = self.executor.update_weights(update_info)
+            num_loaded = self.executor.rpc(Worker.update_weights, update_info)[OUTPUT_RANK]
         except WeightTransferError:
-            self._weights_consistent = self.executor.weights_consistent()
+            self._weights_consistent = self._all_weights_consistent()
             self._set_weight_update_active(False)
             raise
         finally:
@@ -446,8 +466,8 @@ class EngineCore:
     def abort_weight_update(self) -> bool:
         """Ends an update in progress and restores the weights it changed; False if none was in progress."""
         self.drain()
-        aborted = self.executor.abort_weight_update()
-        self._weights_consistent = self.executor.weights_consistent()
+        aborted = self.executor.rpc(Worker.abort_weight_update)[OUTPUT_RANK]
+        self._weights_consistent = self._all_weights_consistent()
         self._set_weight_update_active(False)
         return aborted
 
@@ -465,7 +485,7 @@ class EngineCore:
         if weight_version is not None and (not isinstance(weight_version, str) or not weight_version):
             raise ValueError(f"weight_version: expected a non-empty string, got {weight_version!r}")
         self.drain()
-        self.executor.finish_weight_update()
+        self.executor.rpc(Worker.finish_weight_update)
         self._serving_checkpoint = False
         self._weights_consistent = True
         self._set_weight_update_active(False)
@@ -476,26 +496,40 @@ class EngineCore:
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.drain()
-        self.executor.shutdown_weight_transfer_engine()  # aborts an update in progress
-        self._weights_consistent = self.executor.weights_consistent()
+        self.executor.rpc(Worker.shutdown_weight_transfer_engine)  # aborts an update in progress
+        self._weights_consistent = self._all_weights_consistent()
         self._set_weight_update_active(False)
+
+    def _all_weights_consistent(self) -> bool:
+        """Whether every rank's weights are of one version (a failed transfer that could not roll back leaves a mix)."""
+        return all(self.executor.rpc(Worker.weights_consistent))
 
     def weight_info(self, model: str = "target") -> dict:
         """{"weight_version": str, "weights": {hf_name: {"shape": [...], "dtype": str, "shard": ...}}} (rank 0's),
-        plus "ranks": [each tensor-parallel rank's "weights"] when the engine has more than one rank.
+        plus "ranks": [each tensor-parallel rank's "weights"] when the engine has more than one rank
+        (shard: the slice of the HF tensor that rank holds).
 
         model: "target" (the served model) or "draft" (speculative decoding's draft model; ValueError
         when the engine has none)."""
-        per_rank = self.executor.weight_info(model)
-        info = {"weight_version": self.weight_version, "weights": per_rank[0]}
+        per_rank = self.executor.rpc(Worker.weight_info, model)
+        info = {"weight_version": self.weight_version, "weights": per_rank[OUTPUT_RANK]}
         if len(per_rank) > 1:
             info["ranks"] = per_rank
         return info
 
     def weight_checker(self, baseline: dict | None = None, model: str = "target") -> dict:
         """{"weight_version", "checksums": {hf_name: sha256}}, plus match/mismatches/missing/unexpected vs `baseline`,
-        of `model` ("target" or "draft", as in weight_info)."""
-        return {"weight_version": self.weight_version, **self.executor.weight_checker(baseline, model)}
+        of `model` ("target" or "draft", as in weight_info); rank 0's, plus "ranks": [each rank's] with more than one.
+
+        baseline: {hf_name: checksum} (every rank is compared with it) or {"ranks": [one such dict
+        per rank]}. "match" is true only if every rank matches its baseline.
+        """
+        check_rank_baseline(baseline, self.executor.world_size)
+        per_rank = self.executor.rpc(Worker.weight_checker, baseline, model)
+        checked = combine_rank_dicts(per_rank)
+        if baseline is not None and len(per_rank) > 1:
+            checked["match"] = all(r["match"] for r in per_rank)
+        return {"weight_version": self.weight_version, **checked}
 
     def get_worker_pids(self) -> list[int]:
         """Each tensor-parallel rank's worker pid (this process's for the in-process executor; a Ray

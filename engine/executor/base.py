@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import pickle
 import traceback
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from engine.config import EngineConfig
 from engine.core.sched_output import SchedulerOutput
 from engine.exceptions import EngineDeadError
 from engine.worker.runner_output import ModelRunnerOutput
 
+if TYPE_CHECKING:
+    from engine.worker.worker import Worker
+
 logger = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 # The rank whose step results the engine uses. Every rank samples the same tokens (the logits
 # are gathered to all ranks and the seeded generators draw alike), so the others only ack.
@@ -82,8 +91,10 @@ def results_or_raise(replies: list[WorkerReply]) -> list[Any]:
 class Executor(ABC):
     """Runs one Worker per tensor-parallel rank and hands every call to all of them.
 
-    Subclasses implement collective_rpc, is_alive and shutdown; everything else is a collective
-    call whose per-rank answers combine here. Calls come from one thread (the engine core's loop).
+    Subclasses implement collective_rpc (the transport), is_alive and shutdown. The engine core
+    calls its workers through rpc(Worker.<method>, ...) and combines the per-rank answers
+    itself; only the step (execute_model, launch/finish, the dummy batch) has calls of its own.
+    Calls come from one thread (the engine core's loop).
     """
 
     def __init__(self, config: EngineConfig, max_model_len: int) -> None:
@@ -133,14 +144,19 @@ class Executor(ABC):
     def shutdown(self) -> None:
         """Stops the workers; idempotent, and never waits without a limit."""
 
-    # ---- the step ----------------------------------------------------------------------------
+    # ---- calls -------------------------------------------------------------------------------
 
-    def determine_num_blocks(self) -> int:
-        """The KV blocks every rank can hold: ranks must agree, so the smallest wins."""
-        return min(self.collective_rpc("determine_num_blocks"))
+    def rpc(self, method: Callable[Concatenate[Worker, P], R], /, *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        """Calls `method` (a Worker method, e.g. Worker.sleep) on every rank; returns each rank's result, in rank order.
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_kv_cache", (num_blocks,))
+        The method names the call by reference, so a type checker checks the arguments against
+        its signature, and they are bound to that signature here before anything is sent: a
+        wrong argument is a TypeError at the call site, seen by no worker. How the ranks'
+        answers combine is the caller's to say (e.g. min, all(), rank 0's: OUTPUT_RANK).
+        """
+        return self.collective_rpc(worker_method_name(method, args, kwargs), args, kwargs)
+
+    # ---- the step: the hot path keeps its own calls (rank 0 alone sends its result back) ------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=OUTPUT_RANK)[OUTPUT_RANK]
@@ -162,86 +178,27 @@ class Executor(ABC):
         (expert parallelism) with no work runs it so its MoE collectives meet the other engines'."""
         self.collective_rpc("execute_dummy_batch", unique_reply_rank=OUTPUT_RANK)
 
-    def reset_requests(self) -> None:
-        """Drops every request's state in the workers (after a failed step)."""
-        self.collective_rpc("reset_requests")
 
-    # ---- weight updates: every rank lands its part; rank 0 answers for the engine ------------
+@functools.cache
+def _signature(method: Callable) -> inspect.Signature:
+    return inspect.signature(method)
 
-    # init_weight_transfer_engine never blocks the caller: every rank starts its rendezvous in the
-    # background (engine/worker/transfer_init.py), the caller polls, and the ranks install their new
-    # transfer engines together once all are ready - or drop them together when one failed.
 
-    def begin_weight_transfer_init(self, init_info: dict) -> None:
-        """Starts the init on every rank; ValueError (bad init_info, a peer outside the allowed hosts) starts nothing."""
-        self._init_rpc("begin_weight_transfer_init", (init_info,))
+def worker_method_name(method: Callable, args: tuple, kwargs: dict) -> str:
+    """The name collective_rpc sends for a call of `method` with these arguments.
 
-    def poll_weight_transfer_init(self) -> bool:
-        """True once every rank is ready and has installed its transfer engine; raises the lowest failed
-        rank's error (PeerTimeoutError: the peer did not answer in time), every rank's init then dropped."""
-        if not all(self._init_rpc("poll_weight_transfer_init")):
-            return False
-        self.collective_rpc("commit_weight_transfer_init")
-        return True
+    TypeError unless `method` is a public method of Worker and the arguments bind to its signature.
+    """
+    from engine.worker.worker import Worker  # not at the top: worker.py imports this module
 
-    def _init_rpc(self, method: str, args: tuple = ()) -> list[Any]:
-        """collective_rpc(method, args); when a rank raises, every rank's pending init is dropped first."""
-        try:
-            return self.collective_rpc(method, args)
-        except WorkerDiedError:
-            raise
-        except BaseException:
-            try:
-                self.collective_rpc("cancel_weight_transfer_init")
-            except Exception as e:  # a worker gone meanwhile: the loop's liveness check reports it
-                logger.warning("cancel_weight_transfer_init after a failed init: %s", e)
-            raise
-
-    def start_weight_update(self) -> None:
-        self.collective_rpc("start_weight_update")
-
-    def update_weights(self, update_info: dict) -> int:
-        return self.collective_rpc("update_weights", (update_info,))[OUTPUT_RANK]
-
-    def finish_weight_update(self) -> None:
-        self.collective_rpc("finish_weight_update")
-
-    def abort_weight_update(self) -> bool:
-        return self.collective_rpc("abort_weight_update")[OUTPUT_RANK]
-
-    def weights_consistent(self) -> bool:
-        return all(self.collective_rpc("weights_consistent"))
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self.collective_rpc("shutdown_weight_transfer_engine")
-
-    def weight_info(self, model: str = "target") -> list[dict]:
-        """Each rank's {hf_name: {"shape", "dtype", "shard"}} (shard: the slice of the HF tensor it holds)
-        of `model`: "target", or speculative decoding's "draft"."""
-        return self.collective_rpc("weight_info", (model,))
-
-    def weight_checker(self, baseline: dict | None = None, model: str = "target") -> dict:
-        """Rank 0's checksums (and comparison) of `model`, plus "ranks": [each rank's] with more than one rank.
-
-        baseline: {hf_name: checksum} (every rank is compared with it) or {"ranks": [one such dict
-        per rank]}. "match" is true only if every rank matches its baseline.
-        """
-        check_rank_baseline(baseline, self.world_size)
-        combined = combine_rank_dicts(self.collective_rpc("weight_checker", (baseline, model)))
-        if baseline is not None and self.world_size > 1:
-            combined["match"] = all(r["match"] for r in combined["ranks"])
-        return combined
-
-    # ---- sleep / wake-up (engine/worker/sleep.py) ----------------------------------------------
-
-    def sleep(self, level: int) -> None:
-        self.collective_rpc("sleep", (level,))
-
-    def wake_up(self, tags: list[str]) -> None:
-        self.collective_rpc("wake_up", (tags,))
-
-    def synchronize(self) -> None:
-        self.collective_rpc("synchronize")
+    name = getattr(method, "__name__", "")
+    if name.startswith("_") or getattr(Worker, name, None) is not method:
+        raise TypeError(f"rpc: expected a public Worker method (e.g. Worker.sleep), got {method!r}")
+    try:
+        _signature(method).bind(None, *args, **kwargs)  # None stands in for the worker (self)
+    except TypeError as e:
+        raise TypeError(f"rpc(Worker.{name}): {e}") from None
+    return name
 
 
 def combine_rank_dicts(per_rank: list[dict]) -> dict:
@@ -265,7 +222,7 @@ def check_rank_baseline(baseline: dict | None, world_size: int) -> None:
 
 
 def baseline_for_rank(baseline: dict | None, rank: int) -> dict | None:
-    """The part of a weight_checker baseline (see Executor.weight_checker) that applies to `rank`."""
+    """The part of a weight_checker baseline (see EngineCore.weight_checker) that applies to `rank`."""
     if baseline is None or "ranks" not in baseline:
         return baseline
     return baseline["ranks"][rank]

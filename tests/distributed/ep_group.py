@@ -133,6 +133,7 @@ def rank_worker(state: dict, path: str, port: int, dp_rank: int) -> dict:
     from engine.distributed import destroy_expert_parallel, get_ep
     from engine.engine_args import create_engine_config
     from engine.executor.uniproc import UniProcExecutor
+    from engine.worker.worker import Worker
 
     destroy_expert_parallel()  # this process's test group: the worker builds its own from the config
     config = create_engine_config(
@@ -140,12 +141,12 @@ def rank_worker(state: dict, path: str, port: int, dp_rank: int) -> dict:
         data_parallel_size=2, data_parallel_rank=dp_rank, data_parallel_master_port=port, num_gpu_blocks_override=8,
     )
     executor = UniProcExecutor(config, 64)
-    executor.initialize_kv_cache(executor.determine_num_blocks())
+    executor.rpc(Worker.initialize_kv_cache, min(executor.rpc(Worker.determine_num_blocks)))
     ep = get_ep()
     experts = next(m for m in executor.worker.model.modules() if type(m).__name__ == "FusedExperts")
     for _ in range(2):
         executor.execute_dummy_batch()
-    info = executor.weight_info()[0]
+    info = executor.rpc(Worker.weight_info)[0]
     executor.shutdown()
     return {"rank": ep.rank, "size": ep.size, "local_experts": list(experts.local_experts),
             "expert_names": sorted(n for n in info if ".experts." in n and n.startswith("model.layers.0.")),
