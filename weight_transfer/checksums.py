@@ -16,6 +16,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from weight_transfer.messages import Message, NonNegInt, parse_message
+
 # Not weights: recomputed by every implementation, absent from the engine.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -54,21 +56,25 @@ def hf_state_checksums(
     return out
 
 
+class Shard(Message):
+    """A weight_info() entry's "shard": the rows start .. start + size - 1 along dim of the full tensor."""
+
+    dim: NonNegInt
+    start: NonNegInt
+    size: NonNegInt
+
+
 def shard_of(tensor: torch.Tensor, info: Mapping | None, name: str = "tensor") -> torch.Tensor:
     """The slice of a full tensor that a weight_info() entry's "shard" names (the tensor itself for None)."""
-    shard = info.get("shard") if isinstance(info, Mapping) else None
-    if shard is None:
+    raw = info.get("shard") if isinstance(info, Mapping) else None
+    if raw is None:
         return tensor
-    if not isinstance(shard, Mapping) or set(shard) != {"dim", "start", "size"}:
-        raise ValueError(f"shards[{name!r}].shard: expected {{'dim', 'start', 'size'}} or None, got {shard!r}")
-    dim, start, size = shard["dim"], shard["start"], shard["size"]
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (dim, start, size)):
-        raise ValueError(f"shards[{name!r}].shard: dim, start and size must be ints, got {dict(shard)!r}")
-    if not 0 <= dim < tensor.dim() or start < 0 or size < 0 or start + size > tensor.shape[dim]:
+    shard = parse_message(raw, Shard, f"shards[{name!r}].shard")
+    if shard.dim >= tensor.dim() or shard.start + shard.size > tensor.shape[shard.dim]:
         raise ValueError(
-            f"shards[{name!r}].shard: {dict(shard)} is outside the tensor of shape {list(tensor.shape)}"
+            f"shards[{name!r}].shard: {raw} is outside the tensor of shape {list(tensor.shape)}"
         )
-    return tensor.narrow(dim, start, size)
+    return tensor.narrow(shard.dim, shard.start, shard.size)
 
 
 def compare_checksums(
@@ -83,8 +89,7 @@ def compare_checksums(
     hold: a trainer's full checksums compare with each engine over the weights it holds).
     match: all three are empty.
     """
-    if not isinstance(baseline, Mapping):
-        raise ValueError(f"baseline: expected a dict {{hf_name: checksum}}, got {type(baseline).__name__}")
+    baseline = parse_message(baseline, dict[str, str], "baseline")  # {hf_name: checksum}
     optional, held_elsewhere = set(optional), set(held_elsewhere)
     mismatches = sorted(n for n in engine if n in baseline and baseline[n] != engine[n])
     missing = sorted(n for n in engine if n not in baseline and n not in optional)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from weight_transfer.base import SparseWeightPatch
+from weight_transfer.messages import Fraction, parse_message
 
 # Patches index with int32: tensors with more elements always go dense.
 MAX_PATCH_NUMEL = 2**31 - 1
@@ -43,15 +44,11 @@ class DeltaTracker:
     """Per-tensor snapshots of the last committed sync (on snapshot_device, CPU by default)."""
 
     def __init__(self, max_changed_fraction: float = 0.25, snapshot_device: str | torch.device = "cpu") -> None:
-        if isinstance(max_changed_fraction, bool) or not isinstance(max_changed_fraction, (int, float)) or not (
-            0.0 <= max_changed_fraction <= 1.0
-        ):
-            raise ValueError(f"max_changed_fraction: expected a number in [0, 1], got {max_changed_fraction!r}")
+        self.max_changed_fraction: float = parse_message(max_changed_fraction, Fraction, "max_changed_fraction")
         try:
             self.snapshot_device = torch.device(snapshot_device)
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"snapshot_device: {snapshot_device!r} is not a torch device: {e}") from None
-        self.max_changed_fraction = float(max_changed_fraction)
         self._snapshots: dict[str, torch.Tensor] = {}
         self._staged: dict[str, torch.Tensor | SparseWeightPatch] = {}
 
