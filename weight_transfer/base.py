@@ -18,33 +18,37 @@ parse_update_info returns the names, dtypes and shapes the call will deliver, so
 can reject a bad update before a single byte moves; receive_weights then yields the tensors.
 Backends never touch model parameters: the worker validates everything a call delivered and
 only then lands it through the model's weight loaders.
+
+Each backend declares its messages once, as msgspec Structs (weight_transfer/messages.py):
+WeightTransferEngine[InitT, UpdateT] parses init_info into InitT and update_info into UpdateT,
+and TrainerWeightTransferEngine[TrainerInitT] a trainer's settings into TrainerInitT, all
+through parse_message; a backend only adds the checks against its own state and the transfer.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import re
+import time
+import typing
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 from torch import nn
 
+# INT64_MAX and MAX_TIMEOUT_S bound every message; callers that bound their own inputs (HTTP bodies) import them here.
+from weight_transfer.messages import INT64_MAX, MAX_TIMEOUT_S, Message, parse_message  # noqa: F401
 
-# Bounds of init_info / update_info numbers: no integer past 64 bits reaches torch or msgspec,
-# and no wait on a peer is longer than a day (datetime.timedelta overflows long before inf).
-INT64_MAX = (1 << 63) - 1
-MAX_TIMEOUT_S = 24 * 3600.0
+logger = logging.getLogger(__name__)
 
-
-def check_timeout_s(value: Any, where: str) -> float:
-    """A timeout in seconds: a finite number in (0, MAX_TIMEOUT_S], not a bool; ValueError naming `where`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
-        raise ValueError(f"{where}: expected a positive number of seconds up to {MAX_TIMEOUT_S:g} (24 h), got {value!r}")
-    return float(value)
+InitT = TypeVar("InitT", bound=Message)
+UpdateT = TypeVar("UpdateT", bound=Message)
 
 
 @dataclass(frozen=True)
@@ -64,15 +68,22 @@ class Rendezvous:
     where: str = "init_info.master_address"  # the init_info field that gave `host`
 
 
+class InitInfo(Message, kw_only=True):
+    """Base of an engine-side init_info: the "backend" key names the backend, which the worker dispatched on."""
+
+    backend: str | None = None
+
+
 @dataclass
 class WeightUpdateInfo:
-    """What one update_weights call will deliver: per tensor its HF name, dtype and shape (same order)."""
+    """What one update_weights call will deliver: per tensor its HF name, dtype and shape (same order).
+
+    A backend subclasses it for what its receive_weights needs besides (a packing plan, a call id).
+    """
 
     names: list[str]
     dtypes: list[torch.dtype]
     shapes: list[tuple[int, ...]]
-    # Backend-specific extras (e.g. the decoded tensors of the local backend, a packing plan).
-    extra: dict[str, Any] = field(default_factory=dict)
     # views_stable_per_call backends: equal keys promise that receive_weights yields the very same
     # tensor views again (same buffer, same tensors), so the worker may reuse what it built for them.
     reuse_key: Hashable | None = None
@@ -92,13 +103,26 @@ class WeightUpdateInfo:
 DEFAULT_INIT_TIMEOUT_S = 60.0  # Rendezvous.timeout_s of a backend whose init waits on no peer
 
 
-class WeightTransferEngine(ABC):
-    """Engine side of one transfer backend, owned by a worker for the device it serves."""
+class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
+    """Engine side of one transfer backend, owned by a worker for the device it serves.
+
+    A backend subclasses WeightTransferEngine[ItsInitInfo, ItsUpdateInfo] (two Message types, see
+    InitInfo): init_info_type and update_info_type are taken from there.
+    """
+
+    init_info_type: ClassVar[type[Message]]
+    update_info_type: ClassVar[type[Message]]
 
     # True when every tensor receive_weights yields stays valid until the update_weights call
     # returns (one buffer per call, refilled only after the call): the worker may then collect a
     # call's tensors and land them together, one finite check and one multi-tensor copy.
     views_stable_per_call: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        declared = _declared_types(cls, WeightTransferEngine)
+        if declared is not None:
+            cls.init_info_type, cls.update_info_type = declared
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -119,11 +143,16 @@ class WeightTransferEngine(ABC):
         against its weight loaders (sharded_rdt records which slices this worker consumes); it never
         changes the model."""
 
-    @abstractmethod
-    def parse_init_info(self, init_info: dict) -> Any:
-        """Checks and decodes init_info (as sent by a client); raises ValueError naming a bad field."""
+    def parse_init_info(self, init_info: dict) -> InitT:
+        """init_info (as a client sent it) as this backend's init message; ValueError naming a bad field."""
+        info = parse_message(init_info, self.init_info_type, "init_info")
+        self.check_init_info(info)
+        return info
 
-    def rendezvous(self, init_info: Any) -> Rendezvous:
+    def check_init_info(self, init_info: InitT) -> None:
+        """Checks a parsed init_info against this worker (its device, its rank); ValueError naming the field."""
+
+    def rendezvous(self, init_info: InitT) -> Rendezvous:
         """Whom init_transfer(init_info) waits on, for how long, and where it connects (see Rendezvous).
 
         A backend whose engine side connects out to an address given in init_info must name it
@@ -131,7 +160,7 @@ class WeightTransferEngine(ABC):
         return Rendezvous(timeout_s=DEFAULT_INIT_TIMEOUT_S)
 
     @abstractmethod
-    def init_transfer(self, init_info: Any) -> None:
+    def init_transfer(self, init_info: InitT) -> None:
         """Sets the transport up (join a process group, open a handle, ...) with parsed init info.
 
         Runs in a background thread of the worker (never concurrently with another call on this
@@ -141,9 +170,14 @@ class WeightTransferEngine(ABC):
     def start_update(self) -> None:
         """Called once before the update_weights calls of one update."""
 
-    @abstractmethod
     def parse_update_info(self, update_info: dict) -> WeightUpdateInfo:
-        """Checks and decodes update_info; raises ValueError naming a bad field. Moves no weights."""
+        """update_info (as a client sent it) parsed and planned; ValueError naming a bad field. Moves no weights."""
+        return self.plan_update(parse_message(update_info, self.update_info_type, "update_info"))
+
+    @abstractmethod
+    def plan_update(self, update_info: UpdateT) -> WeightUpdateInfo:
+        """What the parsed call will deliver, checked against this worker's state (its transport, its
+        buffers); ValueError naming a bad field. Moves no weights."""
 
     @abstractmethod
     def receive_weights(self, info: WeightUpdateInfo) -> Iterable[tuple[str, "torch.Tensor | SparseWeightPatch"]]:
@@ -411,40 +445,140 @@ class SyncStats:
         return self.dense_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-class TrainerWeightTransferEngine(ABC):
-    """Trainer side of one backend. Every trainer rank constructs it and calls send_weights()
-    and shutdown(); rank 0 is the sender and the only rank that talks to the client."""
+TrainerInitT = TypeVar("TrainerInitT", bound="TrainerInitInfo")
 
+
+class TrainerInitInfo(Message):
+    """Base of a backend's trainer-side settings: checked when built (NCCLTrainerInitInfo(...)) or parsed
+    from their dict form; `backend` names the backend they are for."""
+
+    where: ClassVar[str] = "init_info"
     backend: ClassVar[str]
 
-    def __init__(self, init_info: Any, client, source: WeightSource | None, rank: int) -> None:
+
+class TrainerWeightTransferEngine(ABC, Generic[TrainerInitT]):
+    """Trainer side of one backend. Every trainer rank constructs it and calls send_weights()
+    and shutdown(); rank 0 is the sender and the only rank that talks to the client.
+
+    A backend subclasses TrainerWeightTransferEngine[ItsTrainerInitInfo] and implements _start and
+    _send; send_weights runs the engine's update lifecycle around _send once for all of them.
+    """
+
+    backend: ClassVar[str]
+    init_info_type: ClassVar[type[TrainerInitInfo]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        declared = _declared_types(cls, TrainerWeightTransferEngine)
+        if declared is not None:
+            (cls.init_info_type,) = declared
+
+    def __init__(self, init_info: TrainerInitT, client, source: WeightSource | None, rank: int) -> None:
         self.init_info = init_info
         self.client = client
         self.source = as_source(source) if source is not None else None
         self.rank = rank
+        # The longest any client call may take (whatever the client's own timeout); None: the client's
+        # own timeout alone (the local backend, whose calls carry the tensors and wait on nothing else).
+        self.timeout_s: float | None = getattr(init_info, "timeout_s", None)
+
+    @classmethod
+    def parse_init_info(cls, init_info: Any) -> TrainerInitT:
+        """init_info as this backend's settings: an init_info_type itself, or its dict form (with or
+        without "backend"); ValueError naming a bad field."""
+        if isinstance(init_info, cls.init_info_type):
+            return init_info
+        if not isinstance(init_info, Mapping):
+            raise ValueError(
+                f"init_info: expected a {cls.init_info_type.__name__} or its dict form, got {type(init_info).__name__}"
+            )
+        fields = dict(init_info)
+        backend = fields.pop("backend", cls.backend)
+        if backend != cls.backend:
+            raise ValueError(f"init_info.backend: expected {cls.backend!r}, got {backend!r}")
+        return parse_message(fields, cls.init_info_type, "init_info")
+
+    @classmethod
+    def trainer_init(cls, init_info: Any, *, client, source: "WeightSource | nn.Module | None" = None) -> "TrainerWeightTransferEngine":
+        """Sets the transport up on this rank and (rank 0) asks the engine to join it through `client`."""
+        return cls._start(cls.parse_init_info(init_info), client=client, source=source)
 
     @classmethod
     @abstractmethod
-    def trainer_init(cls, init_info: Any, *, client, source: "WeightSource | nn.Module | None" = None) -> "TrainerWeightTransferEngine":
-        """Sets the transport up on this rank and (rank 0) asks the engine to join it through `client`."""
+    def _start(cls, init_info: TrainerInitT, *, client, source) -> "TrainerWeightTransferEngine":
+        """trainer_init with parsed settings."""
 
-    @abstractmethod
     def send_weights(self, source: "WeightSource | nn.Module | None" = None, *, weight_version: str | None = None) -> SyncStats:
         """One full sync: start_weight_update, every tensor of the source, finish_weight_update.
 
         Returns when the engine serves the new weights (under weight_version when given). On
         any failure the engine keeps its previous weights and this raises naming the cause.
         """
+        src = self._source(source)
+        if self.rank == 0:
+            return self._update(lambda: self._send(src), weight_version)
+        stats = self._follow(src)
+        stats.weight_version = weight_version
+        return stats
 
-    def shutdown(self) -> None:
-        """Tears the transport down on this rank (rank 0 also tells the engine)."""
+    def _update(self, send: Callable[[], SyncStats], weight_version: str | None) -> SyncStats:
+        """One update as the engine sees it, on the sender: start_weight_update, send(), finish_weight_update.
+        On any failure the update is abandoned (_abandon_update) and the failure raised."""
+        started = time.perf_counter()
+        self._before_update()
+        begun = False
+        try:
+            self._bounded("start_weight_update", self.client.start_weight_update)
+            begun = True
+            stats = send()
+            self._bounded("finish_weight_update", self.client.finish_weight_update, weight_version)
+        except BaseException:
+            self._abandon_update(begun)
+            raise
+        stats.weight_version = weight_version
+        stats.seconds = time.perf_counter() - started
+        return stats
 
-    def _follow(self, source: WeightSource, weight_version: str | None) -> SyncStats:
+    def _before_update(self) -> None:
+        """Runs on the sender before start_weight_update (nccl: joins a fresh group after a failed sync)."""
+
+    def _abandon_update(self, begun: bool) -> None:
+        """After the sender's update failed: once it had begun, the engine is told to restore its weights.
+
+        Not before: a start_weight_update that failed (say, another update is in progress) began nothing
+        of ours to abort. A backend with more to undo on a failure (sharded_rdt: its producers) adds it here."""
+        if not begun:
+            return
+        try:
+            self._bounded("abort_weight_update", self.client.abort_weight_update)
+        except Exception as e:  # e.g. the engine already ended the update itself, or it is gone
+            # A string, not the exception: a kept log record would hold its traceback's frames (and tensors).
+            logger.info("%s: abort_weight_update after a failed sync: %s", self.backend, str(e))
+
+    @abstractmethod
+    def _send(self, source: WeightSource) -> SyncStats:
+        """The sender's part of a sync, between start_weight_update and finish_weight_update: moves every
+        tensor of `source` to the engine (its update_weights calls included). On a failure it leaves the
+        transport ready for the next sync (or marked for a fresh one) and raises."""
+
+    def _follow(self, source: WeightSource) -> SyncStats:
         """A non-sender rank's part of a sync: the same pass over the source, since a sharded
         source gathers collectively and every rank must take part; nothing is sent."""
         for _ in source.iter_full():
             pass
-        return SyncStats(self.backend, weight_version=weight_version)
+        return SyncStats(self.backend)
+
+    def _bounded(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args), a client call, answered within timeout_s (a plain call when timeout_s is None)."""
+        if self.timeout_s is None:
+            return fn(*args)
+        # Imported here: clients.py (the trainer's side) is not needed by the engine, which imports this module.
+        from weight_transfer.clients import call_in_background
+
+        return answer_of(call_in_background(fn, *args), self.timeout_s, what)
+
+    def shutdown(self) -> None:
+        """Tears the transport down on this rank (rank 0 also tells the engine)."""
 
     def _source(self, source) -> WeightSource:
         if source is not None:
@@ -452,6 +586,26 @@ class TrainerWeightTransferEngine(ABC):
         if self.source is None:
             raise ValueError("send_weights: no source; pass one here or to trainer_init")
         return self.source
+
+
+def answer_of(future: Future, timeout_s: float, what: str) -> Any:
+    """The result of a client call running in the background, or TimeoutError naming it after timeout_s."""
+    try:
+        return future.result(timeout=timeout_s)
+    except TimeoutError:
+        if future.done():  # the call itself raised a TimeoutError
+            raise
+        raise TimeoutError(f"{what}: the engine did not answer within timeout_s={timeout_s:g}") from None
+
+
+def _declared_types(cls: type, generic_base: type) -> tuple[type, ...] | None:
+    """The message types `cls` names by subclassing generic_base[...] itself (None: it names none)."""
+    for base in cls.__dict__.get("__orig_bases__", ()):
+        if typing.get_origin(base) is generic_base:
+            args = typing.get_args(base)
+            if all(isinstance(a, type) for a in args):  # not still generic (TypeVars)
+                return args
+    return None
 
 
 _TRAINER_BACKENDS: dict[str, str | type[TrainerWeightTransferEngine]] = {

@@ -14,15 +14,15 @@ word in a small shared control block says the pack is complete, yields views int
 The trainer refills a buffer only after the call that read it returned, and keeps at most
 packed_num_buffers calls in flight.
 
-    engine init_info:  {"backend": "ipc", "control": "<segment name>", "host": "cpu:<boot id>",
+    engine init_info:  {"backend": "ipc", "control": "<segment name>", "host": "cpu:<boot id>",   (IPCInitInfo)
                         "timeout_s": float, "keep_buffers": bool}
     update_info:       {"names": [...], "dtypes": [...], "shapes": [...],   (packing.tensor_list: one pack)
                         "buffer_size": int,                               (packing.plan_packs' buffer size)
                         "slot": int, "seq": int,                          (which buffer, which fill of it)
-                        "buffer": {device_key: {"slot", "gen", "capacity", "handle": {...}}}}
-    handle (CPU):      {"kind": "shm", "name": "wt-ipc-..."}
+                        "buffer": {device_key: {"slot", "gen", "capacity", "handle": {...}}}}   (IPCUpdateInfo)
+    handle (CPU):      {"kind": "shm", "name": "wt-ipc-..."}                  (ShmHandle)
     handle (CUDA):     {"kind": "cuda", "handle_b64", "storage_size", "storage_offset", "ref_counter_b64",
-                        "ref_counter_offset", "event_b64", "event_sync_required"}
+                        "ref_counter_offset", "event_b64", "event_sync_required"}   (CudaHandle)
 
 device_key is "cuda:<device uuid>" (CUDA_VISIBLE_DEVICES may number a GPU differently in each
 process; its uuid is the same) or "cpu:<boot id>", so each colocated engine worker picks the
@@ -38,42 +38,44 @@ and then calls abort_weight_update. Linux only (the segments live in /dev/shm).
 from __future__ import annotations
 
 import base64
-import binascii
 import concurrent.futures
 import dataclasses
 import logging
 import mmap
 import os
-import re
 import secrets
 import socket
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
-from typing import Any, ClassVar
+from typing import Annotated, ClassVar
 
+import msgspec
 import numpy as np
 import torch
 
 from weight_transfer import packing
 from weight_transfer.base import (
-    INT64_MAX,
+    InitInfo,
     ParamMeta,
     Rendezvous,
     SyncStats,
+    TrainerInitInfo,
     TrainerWeightTransferEngine,
     WeightSource,
     WeightTransferEngine,
     WeightUpdateInfo,
-    check_timeout_s,
 )
 from weight_transfer.clients import call_in_background
+from weight_transfer.messages import Message, NonEmptyStr, NonNegInt, TimeoutS, int_in
 
 logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-_SEGMENT_NAME = re.compile(r"^wt-ipc-[0-9a-z-]{1,100}$")
+# Our segments' names: nothing else in /dev/shm can be named by a peer (\Z: no trailing newline either).
+_SEGMENT_NAME = r"^wt-ipc-[0-9a-z-]{1,100}\Z"
+_CONTROL_NAME = r"^wt-ipc-[0-9a-z-]{0,96}-ctl\Z"  # a segment name that ends in "-ctl"
 _MAX_SLOTS = 64  # ring buffers + the oversize buffer; fixes the control block's size
 _MAX_VIEW_SETS = 16  # per buffer: the distinct packs it carries (one per sync layout in practice)
 _FILL_BATCH_BYTES = 256 << 20  # source bytes per multi-tensor copy into a buffer
@@ -236,116 +238,75 @@ class _Control:
             _unlink_segment(self.name)
 
 
-# ---- JSON field checks ----------------------------------------------------------------------------
-
-
-def _field(mapping: Mapping, key: str, kind: type | tuple[type, ...], where: str) -> Any:
-    if key not in mapping:
-        raise ValueError(f"{where}.{key}: missing")
-    value = mapping[key]
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        name = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise ValueError(f"{where}.{key}: expected {name}, got {value!r}")
-    return value
-
-
-def _int_field(mapping: Mapping, key: str, where: str, minimum: int = 0) -> int:
-    """An int (not a bool) in [minimum, 2**63): no larger value reaches torch."""
-    value = _field(mapping, key, int, where)
-    if value < minimum:
-        raise ValueError(f"{where}.{key}: {value} is below {minimum}")
-    if value > INT64_MAX:
-        raise ValueError(f"{where}.{key}: an integer of {value.bit_length()} bits is out of range (must be below 2**63)")
-    return value
-
-
-def _no_unknown(mapping: Mapping, allowed: set[str], where: str) -> None:
-    unknown = sorted(set(mapping) - allowed)
-    if unknown:
-        raise ValueError(f"{where}: unknown field(s) {unknown}")
-
-
 def _b64(data: bytes | None) -> str:
     return base64.b64encode(data or b"").decode("ascii")
 
 
-def _b64_field(mapping: Mapping, key: str, where: str, allow_empty: bool = False) -> bytes:
-    text = _field(mapping, key, str, where)
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise ValueError(f"{where}.{key}: not valid base64 ({e})") from None
-    if (not raw and not allow_empty) or len(raw) > _MAX_HANDLE_BYTES:
-        raise ValueError(f"{where}.{key}: {len(raw)} bytes is not a plausible handle")
-    return raw
+# =======================================================================================
+# Messages: init_info, update_info and the buffer handles in it
+# =======================================================================================
+
+# A CUDA IPC handle is 64 bytes; allow for longer formats, refuse garbage.
+_HandleBytes = Annotated[bytes, msgspec.Meta(min_length=1, max_length=_MAX_HANDLE_BYTES)]
+_Slot = int_in(0, _MAX_SLOTS - 1)
+
+
+class IPCInitInfo(InitInfo):
+    """init_info: the trainer's control block, its machine, and the settings the engine side needs."""
+
+    control: Annotated[str, msgspec.Meta(pattern=_CONTROL_NAME)]
+    host: str  # the trainer's device_key of its CPU ("cpu:<boot id>"): the same machine?
+    timeout_s: TimeoutS
+    keep_buffers: bool
+
+
+class ShmHandle(Message, tag_field="kind", tag="shm"):
+    """A buffer in a /dev/shm segment of the trainer's."""
+
+    name: Annotated[str, msgspec.Meta(pattern=_SEGMENT_NAME)]
+
+
+class CudaHandle(Message, tag_field="kind", tag="cuda"):
+    """A CUDA buffer as torch's storage._share_cuda_() describes it (the bytes travel as base64)."""
+
+    handle: _HandleBytes = msgspec.field(name="handle_b64")
+    storage_size: int_in(1)
+    storage_offset: NonNegInt
+    ref_counter: _HandleBytes = msgspec.field(name="ref_counter_b64")
+    ref_counter_offset: NonNegInt
+    event: Annotated[bytes, msgspec.Meta(max_length=_MAX_HANDLE_BYTES)] = msgspec.field(name="event_b64")
+    event_sync_required: bool
+
+
+class BufferDescriptor(Message):
+    """A buffer as update_info announces it; the same (slot, gen) always comes with the same descriptor."""
+
+    slot: _Slot
+    gen: int_in(1)
+    capacity: int_in(1)  # bytes the buffer holds
+    handle: ShmHandle | CudaHandle
+
+    def check(self) -> None:
+        if isinstance(self.handle, CudaHandle) and self.handle.storage_size < self.capacity:
+            raise ValueError(
+                f".handle.storage_size: {self.handle.storage_size} bytes, fewer than the capacity {self.capacity}"
+            )
+
+
+class IPCUpdateInfo(packing.TensorList):
+    """update_info: one pack (its tensors), where it lies (slot, seq) and the buffers holding it, by device."""
+
+    names: Annotated[list[NonEmptyStr], msgspec.Meta(min_length=1)]  # a call carries one pack of >= 1 tensor
+    buffer_size: int_in(packing.ALIGN)  # packing.plan_packs' buffer size
+    slot: _Slot
+    seq: int_in(1)
+    # Every entry is checked, also those meant for workers on other devices.
+    buffer: Annotated[dict[str, BufferDescriptor], msgspec.Meta(min_length=1)]
 
 
 # =======================================================================================
 # Buffer handles: export (trainer) and open (engine)
 # =======================================================================================
-
-_DESCRIPTOR_FIELDS = {"slot", "gen", "capacity", "handle"}
-_SHM_FIELDS = {"kind", "name"}
-_CUDA_FIELDS = {
-    "kind",
-    "handle_b64",
-    "storage_size",
-    "storage_offset",
-    "ref_counter_b64",
-    "ref_counter_offset",
-    "event_b64",
-    "event_sync_required",
-}
-
-
-@dataclass(frozen=True)
-class _Descriptor:
-    """A buffer as update_info announces it (decoded and checked)."""
-
-    slot: int
-    gen: int
-    capacity: int  # bytes the buffer holds
-    kind: str  # "shm" or "cuda"
-    fields: dict  # the handle, decoded: shm {"name"}; cuda {"handle", "size", "offset", "ref_counter", ...}
-    raw: dict  # the JSON it came from (a reused (slot, gen) must come with the same)
-
-
-def _parse_descriptor(value: object, where: str) -> _Descriptor:
-    if not isinstance(value, Mapping):
-        raise ValueError(
-            f"{where}: expected a buffer descriptor {sorted(_DESCRIPTOR_FIELDS)}, got {type(value).__name__}"
-        )
-    _no_unknown(value, _DESCRIPTOR_FIELDS, where)
-    slot = _int_field(value, "slot", where)
-    if slot >= _MAX_SLOTS:
-        raise ValueError(f"{where}.slot: {slot} is out of range [0, {_MAX_SLOTS})")
-    gen = _int_field(value, "gen", where, minimum=1)
-    capacity = _int_field(value, "capacity", where, minimum=1)
-    handle = _field(value, "handle", Mapping, where)
-    where = f"{where}.handle"
-    kind = _field(handle, "kind", str, where)
-    if kind == "shm":
-        _no_unknown(handle, _SHM_FIELDS, where)
-        name = _field(handle, "name", str, where)
-        if not _SEGMENT_NAME.match(name):
-            raise ValueError(f"{where}.name: {name!r} is not an ipc segment name (wt-ipc-...)")
-        fields: dict = {"name": name}
-    elif kind == "cuda":
-        _no_unknown(handle, _CUDA_FIELDS, where)
-        fields = {
-            "handle": _b64_field(handle, "handle_b64", where),
-            "size": _int_field(handle, "storage_size", where, minimum=1),
-            "offset": _int_field(handle, "storage_offset", where),
-            "ref_counter": _b64_field(handle, "ref_counter_b64", where),
-            "ref_counter_offset": _int_field(handle, "ref_counter_offset", where),
-            "event": _b64_field(handle, "event_b64", where, allow_empty=True),
-            "event_sync_required": _field(handle, "event_sync_required", bool, where),
-        }
-        if fields["size"] < capacity:
-            raise ValueError(f"{where}.storage_size: {fields['size']} bytes, fewer than the capacity {capacity}")
-    else:
-        raise ValueError(f"{where}.kind: expected 'shm' or 'cuda', got {kind!r}")
-    return _Descriptor(slot, gen, capacity, kind, fields, dict(value))
 
 
 def _export_cuda(tensor: torch.Tensor) -> tuple[dict, tuple[bytes, int]]:
@@ -370,17 +331,17 @@ def _export_cuda(tensor: torch.Tensor) -> tuple[dict, tuple[bytes, int]]:
     return json_handle, (ref_counter, int(ref_counter_offset))
 
 
-def _open_cuda(fields: dict, device: torch.device) -> torch.Tensor:
+def _open_cuda(handle: CudaHandle, device: torch.device) -> torch.Tensor:
     torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(
         device.index if device.index is not None else torch.cuda.current_device(),
-        fields["handle"],
-        fields["size"],
-        fields["offset"],
-        fields["ref_counter"],
-        fields["ref_counter_offset"],
-        fields["event"] or None,
-        fields["event_sync_required"],
+        handle.handle,
+        handle.storage_size,
+        handle.storage_offset,
+        handle.ref_counter,
+        handle.ref_counter_offset,
+        handle.event or None,
+        handle.event_sync_required,
     )
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
@@ -390,41 +351,27 @@ def _open_cuda(fields: dict, device: torch.device) -> torch.Tensor:
 # =======================================================================================
 
 
-@dataclass(frozen=True)
-class _EngineInitInfo:
-    control: str
-    timeout_s: float
-    keep_buffers: bool
-
-
 @dataclass
 class _Mapped:
     """One opened buffer of the trainer's, held until the keep_buffers policy lets it go."""
 
-    descriptor: _Descriptor
+    descriptor: BufferDescriptor
     tensor: torch.Tensor  # uint8 [capacity], the trainer's memory
     # (names, dtypes, shapes) of a pack -> its tensors' views into `tensor`: a model's packs recur every
     # sync, so the views are made once and the same objects yielded again (WeightUpdateInfo.reuse_key).
     views: dict[tuple, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
 
 
-@dataclass
-class _Parsed:
-    """A slot's last announced pack: the raw lists as received, and what parsing them gave."""
-
-    raw: tuple
-    names: list[str]
-    dtypes: list[torch.dtype]
-    shapes: list[tuple[int, ...]]
-    pack: packing.Pack
-    layout: tuple  # (names, dtypes, shapes) as tuples: the key of the buffer's views
+@dataclass(kw_only=True)
+class IPCWeightUpdate(WeightUpdateInfo):
+    pack: packing.Pack  # where the call's tensors lie in the buffer
+    mapped: _Mapped  # the buffer, opened
+    slot: int
+    seq: int  # which fill of the slot's buffer the call reads
+    views: list[torch.Tensor]  # the tensors' views into the buffer, in pack order
 
 
-_INIT_FIELDS = {"backend", "control", "host", "timeout_s", "keep_buffers"}
-_UPDATE_FIELDS = {"names", "dtypes", "shapes", "buffer_size", "slot", "seq", "buffer"}
-
-
-class IPCWeightTransferEngine(WeightTransferEngine):
+class IPCWeightTransferEngine(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
     """Receives packs from buffers the trainer shares on this worker's device; opens each buffer once."""
 
     views_stable_per_call = True  # one pack per call; the trainer refills it only after the call returned
@@ -433,126 +380,102 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         super().__init__(torch.device(device))
         self.key = device_key(self.device)
         self._control: _Control | None = None
-        self._settings: _EngineInitInfo | None = None
+        self._settings: IPCInitInfo | None = None
         self._mapped: dict[int, _Mapped] = {}  # slot -> the buffer of that slot currently mapped
-        self._parsed: dict[int, _Parsed] = {}  # slot -> its last announced pack, parsed
+        # slot -> (layout, buffer size) of its last pack and the pack's plan: a slot carries the same
+        # pack every sync, so its plan is made once. layout is (names, dtypes, shapes) as tuples.
+        self._packs: dict[int, tuple[tuple, packing.Pack]] = {}
 
     # ---- init ----------------------------------------------------------------------------------
 
-    def parse_init_info(self, init_info: dict) -> _EngineInitInfo:
-        where = "init_info"
-        if not isinstance(init_info, Mapping):
-            raise ValueError(f"{where}: expected a dict, got {type(init_info).__name__}")
-        _no_unknown(init_info, _INIT_FIELDS, where)
-        control = _field(init_info, "control", str, where)
-        if not _SEGMENT_NAME.match(control) or not control.endswith("-ctl"):
-            raise ValueError(f"{where}.control: {control!r} is not an ipc control block name (wt-ipc-...-ctl)")
-        host = _field(init_info, "host", str, where)
-        if host != device_key(torch.device("cpu")):
+    def check_init_info(self, init_info: IPCInitInfo) -> None:
+        if init_info.host != device_key(torch.device("cpu")):
             raise ValueError(
-                f"{where}.host: the trainer runs on host {host!r}, this engine on another; ipc needs one machine"
+                f"init_info.host: the trainer runs on host {init_info.host!r}, this engine on another; "
+                "ipc needs one machine"
             )
-        timeout_s = check_timeout_s(_field(init_info, "timeout_s", (int, float), where), f"{where}.timeout_s")
-        keep_buffers = _field(init_info, "keep_buffers", bool, where)
-        return _EngineInitInfo(control, timeout_s, keep_buffers)
 
-    def rendezvous(self, init_info: _EngineInitInfo) -> Rendezvous:
+    def rendezvous(self, init_info: IPCInitInfo) -> Rendezvous:
         # Same machine only (init_info.host is a boot id, not an address): init opens a shared-memory
         # segment and connects nowhere, so there is no host to check against the allowed hosts.
         return Rendezvous(init_info.timeout_s, f"the trainer's ipc control block {init_info.control}")
 
-    def init_transfer(self, init_info: _EngineInitInfo) -> None:
+    def init_transfer(self, init_info: IPCInitInfo) -> None:
         self._control = _Control.attach(init_info.control, "init_info.control")
         self._settings = init_info
 
     # ---- one update_weights call ----------------------------------------------------------------
 
-    def parse_update_info(self, update_info: dict) -> WeightUpdateInfo:
+    def plan_update(self, update_info: IPCUpdateInfo) -> IPCWeightUpdate:
         control = self._require_control()
         where = "update_info"
-        if not isinstance(update_info, Mapping):
-            raise ValueError(f"{where}: expected a dict, got {type(update_info).__name__}")
-        _no_unknown(update_info, _UPDATE_FIELDS, where)
-        buffer_size = _int_field(update_info, "buffer_size", where, minimum=packing.ALIGN)
-        slot = _int_field(update_info, "slot", where)
-        if slot >= _MAX_SLOTS:
-            raise ValueError(f"{where}.slot: {slot} is out of range [0, {_MAX_SLOTS})")
-        # A slot carries the same pack every sync: when the announced lists equal the last ones
-        # (compared as plain lists, fast), their parse and packing plan are reused.
-        raw = (update_info.get("names"), update_info.get("dtypes"), update_info.get("shapes"), buffer_size)
-        parsed = self._parsed.get(slot)
-        if parsed is not None and parsed.raw == raw:
-            names, dtypes, shapes, pack, layout = parsed.names, parsed.dtypes, parsed.shapes, parsed.pack, parsed.layout
+        names, dtypes, shapes, slot = update_info.names, update_info.dtypes, update_info.shapes, update_info.slot
+        layout = (tuple(names), tuple(dtypes), tuple(shapes))
+        cached = self._packs.get(slot)
+        if cached is not None and cached[0] == (layout, update_info.buffer_size):
+            pack = cached[1]
         else:
-            names, dtypes, shapes = packing.parse_tensor_list(update_info, where)
-            if not names:
-                raise ValueError(f"{where}.names: empty; a call carries one pack of at least one tensor")
-            packs = packing.plan_packs([packing.nbytes_of(d, s) for d, s in zip(dtypes, shapes)], buffer_size)
+            packs = packing.plan_packs([packing.nbytes_of(d, s) for d, s in zip(dtypes, shapes)], update_info.buffer_size)
             if len(packs) != 1:
                 raise ValueError(
-                    f"{where}.names: the tensors fill {len(packs)} buffers of {buffer_size} bytes; a call carries one"
+                    f"{where}.names: the tensors fill {len(packs)} buffers of {update_info.buffer_size} bytes; "
+                    "a call carries one"
                 )
-            pack, layout = packs[0], (tuple(names), tuple(dtypes), tuple(shapes))
-            self._parsed[slot] = _Parsed(raw, names, dtypes, shapes, pack, layout)
-        seq = _int_field(update_info, "seq", where, minimum=1)
-        buffers = _field(update_info, "buffer", Mapping, where)
-        if not buffers:
-            raise ValueError(f"{where}.buffer: empty; expected {{device_key: buffer descriptor}}")
-        # Every entry is checked, also those meant for workers on other devices.
-        descriptors = {key: _parse_descriptor(value, f"{where}.buffer[{key!r}]") for key, value in buffers.items()}
-        if self.key not in descriptors:
+            pack = packs[0]
+            self._packs[slot] = ((layout, update_info.buffer_size), pack)
+        if self.key not in update_info.buffer:
             raise ValueError(
-                f"{where}.buffer: nothing for this worker's device {self.key!r} (the update has {sorted(descriptors)}); "
-                "the ipc backend needs the trainer's sender and the engine worker on the same device"
+                f"{where}.buffer: nothing for this worker's device {self.key!r} (the update has "
+                f"{sorted(update_info.buffer)}); the ipc backend needs the trainer's sender and the engine worker "
+                "on the same device"
             )
-        descriptor = descriptors[self.key]
+        where = f"{where}.buffer[{self.key!r}]"
+        descriptor = update_info.buffer[self.key]
         if descriptor.slot != slot:
-            raise ValueError(f"{where}.buffer[{self.key!r}].slot: {descriptor.slot}, but the call is for slot {slot}")
-        if descriptor.kind != ("cuda" if self.device.type == "cuda" else "shm"):
-            raise ValueError(
-                f"{where}.buffer[{self.key!r}].handle.kind: {descriptor.kind!r} on a {self.device.type} worker"
-            )
+            raise ValueError(f"{where}.slot: {descriptor.slot}, but the call is for slot {slot}")
+        if isinstance(descriptor.handle, CudaHandle) != (self.device.type == "cuda"):
+            kind = "cuda" if isinstance(descriptor.handle, CudaHandle) else "shm"
+            raise ValueError(f"{where}.handle.kind: {kind!r} on a {self.device.type} worker")
         if pack.nbytes > descriptor.capacity:
             raise ValueError(
-                f"{where}.buffer[{self.key!r}].capacity: the pack spans bytes [0, {pack.nbytes}), "
-                f"beyond the buffer's {descriptor.capacity}"
+                f"{where}.capacity: the pack spans bytes [0, {pack.nbytes}), beyond the buffer's {descriptor.capacity}"
             )
-        mapped = self._map(descriptor, f"{where}.buffer[{self.key!r}]", control)
+        mapped = self._map(descriptor, where, control)
         if layout not in mapped.views:
             if len(mapped.views) >= _MAX_VIEW_SETS:
                 mapped.views.clear()
             mapped.views[layout] = [
                 packing.view_of(mapped.tensor, ps, dtypes[ps.index], shapes[ps.index]) for ps in pack.slots
             ]
-        return WeightUpdateInfo(
-            names, dtypes, shapes, extra={"pack": pack, "mapped": mapped, "slot": slot, "seq": seq,
-                                          "views": mapped.views[layout]},
+        return IPCWeightUpdate(
+            list(names), list(dtypes), list(shapes),
             # Fresh buffers every sync (keep_buffers False) never repeat a key, and a kept landing plan
             # would hold views of a released buffer, keeping its memory from the trainer: no key then.
             reuse_key=(slot, descriptor.gen, layout) if self._settings.keep_buffers else None,
+            pack=pack, mapped=mapped, slot=slot, seq=update_info.seq, views=mapped.views[layout],
         )
 
-    def _map(self, descriptor: _Descriptor, where: str, control: _Control) -> _Mapped:
+    def _map(self, descriptor: BufferDescriptor, where: str, control: _Control) -> _Mapped:
         """The opened buffer for `descriptor`, from the cache when this (slot, gen) was opened before."""
         mapped = self._mapped.get(descriptor.slot)
         if mapped is not None and mapped.descriptor.gen == descriptor.gen:
-            if mapped.descriptor.raw != descriptor.raw:
+            if mapped.descriptor != descriptor:
                 raise ValueError(
                     f"{where}: buffer (slot {descriptor.slot}, gen {descriptor.gen}) came before with another handle"
                 )
             return mapped
         if mapped is not None and descriptor.gen < mapped.descriptor.gen:
             raise ValueError(f"{where}.gen: {descriptor.gen} is older than the slot's buffer {mapped.descriptor.gen}")
-        if descriptor.kind == "shm":
+        if isinstance(descriptor.handle, ShmHandle):
             # Buffer names derive from the control block's, so a handle can only name this trainer's buffers.
             expected = f"{control.name.removesuffix('-ctl')}-{descriptor.slot}-{descriptor.gen}"
-            if descriptor.fields["name"] != expected:
-                raise ValueError(f"{where}.handle.name: {descriptor.fields['name']!r}, expected {expected!r}")
-            segment = _open_segment(descriptor.fields["name"], descriptor.capacity, f"{where}.handle.name")
+            if descriptor.handle.name != expected:
+                raise ValueError(f"{where}.handle.name: {descriptor.handle.name!r}, expected {expected!r}")
+            segment = _open_segment(descriptor.handle.name, descriptor.capacity, f"{where}.handle.name")
             tensor = torch.frombuffer(segment, dtype=torch.uint8)  # keeps the mapping alive
         else:
             try:
-                tensor = _open_cuda(descriptor.fields, self.device)
+                tensor = _open_cuda(descriptor.handle, self.device)
             except RuntimeError as e:  # a well-formed handle that names no live export (stale, or from elsewhere)
                 raise ValueError(f"{where}.handle: CUDA could not open it: {e}") from None
         if mapped is not None:  # the trainer replaced this slot's buffer (only now: a bad handle must not evict it)
@@ -562,16 +485,13 @@ class IPCWeightTransferEngine(WeightTransferEngine):
         control.set_opened(descriptor.slot, descriptor.gen)  # the export's reference is now ours to release
         return mapped
 
-    def receive_weights(self, info: WeightUpdateInfo) -> Iterator[tuple[str, torch.Tensor]]:
+    def receive_weights(self, info: IPCWeightUpdate) -> Iterator[tuple[str, torch.Tensor]]:
         control = self._require_control()
-        pack: packing.Pack = info.extra["pack"]
-        mapped: _Mapped = info.extra["mapped"]
-        slot, seq = info.extra["slot"], info.extra["seq"]
-        control.set_taken(slot, seq)
-        self._wait_ready(control, slot, seq, info.names[pack.slots[0].index])
-        buffer = mapped.tensor
+        control.set_taken(info.slot, info.seq)
+        self._wait_ready(control, info.slot, info.seq, info.names[info.pack.slots[0].index])
+        buffer = info.mapped.tensor
         try:
-            for pack_slot, view in zip(pack.slots, info.extra["views"]):
+            for pack_slot, view in zip(info.pack.slots, info.views):
                 yield info.names[pack_slot.index], view
         finally:
             if buffer.is_cuda:  # the landing copies read the buffer: done before the trainer may refill it
@@ -638,17 +558,16 @@ class IPCWeightTransferEngine(WeightTransferEngine):
 # =======================================================================================
 
 
-@dataclass(frozen=True)
-class IPCTrainerInitInfo:
+class IPCTrainerInitInfo(TrainerInitInfo):
     """Settings of the ipc backend's trainer side: trainer_init(IPCTrainerInitInfo(...), client=...)."""
 
     backend: ClassVar[str] = "ipc"
 
-    packed_buffer_size_bytes: int = 512 << 20
+    packed_buffer_size_bytes: int_in(packing.ALIGN) = 512 << 20
     """Bytes per ring buffer (tensors larger than this go through one extra buffer of their size)."""
-    packed_num_buffers: int = 2
+    packed_num_buffers: int_in(1, _MAX_SLOTS - 1) = 2  # the oversize buffer takes one more slot
     """Ring buffers: one is filled while the engine copies out of the others; also the limit of calls in flight."""
-    timeout_s: float = 300.0
+    timeout_s: TimeoutS = 300.0
     """Limit of every wait on either side (an engine call, the engine waiting for a fill)."""
     keep_buffers: bool = True
     """True: buffers are exported and opened once and live until shutdown (fast syncs, device memory held
@@ -657,25 +576,14 @@ class IPCTrainerInitInfo:
     device: str | None = None
     """Where the buffers live (the device the engine worker uses); None: the device of the first tensor sent."""
 
-    def __post_init__(self) -> None:
-        for name in ("packed_buffer_size_bytes", "packed_num_buffers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"{name}: expected an int, got {value!r}")
-        if self.packed_buffer_size_bytes < packing.ALIGN:
-            raise ValueError(f"packed_buffer_size_bytes: {self.packed_buffer_size_bytes} is below {packing.ALIGN}")
-        if not 1 <= self.packed_num_buffers < _MAX_SLOTS:
-            raise ValueError(f"packed_num_buffers: {self.packed_num_buffers} is out of range [1, {_MAX_SLOTS - 1}]")
-        check_timeout_s(self.timeout_s, "timeout_s")
-        if not isinstance(self.keep_buffers, bool):
-            raise ValueError(f"keep_buffers: expected a bool, got {self.keep_buffers!r}")
+    def check(self) -> None:
         if self.device is not None:
             try:
                 kind = torch.device(self.device).type
             except (RuntimeError, TypeError) as e:
-                raise ValueError(f"device: {self.device!r} is not a torch device ({e})") from None
+                raise ValueError(f".device: {self.device!r} is not a torch device ({e})") from None
             if kind not in ("cpu", "cuda"):
-                raise ValueError(f"device: the ipc backend shares cuda or cpu memory, not {self.device!r}")
+                raise ValueError(f".device: the ipc backend shares cuda or cpu memory, not {self.device!r}")
 
 
 @dataclass
@@ -744,7 +652,7 @@ class _PeekedSource:
             pass
 
 
-class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine):
+class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitInfo]):
     """Trainer side of "ipc": rank 0 packs into shared buffers and drives the engine; other ranks only gather."""
 
     backend: ClassVar[str] = "ipc"
@@ -765,15 +673,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine):
     # ---- set-up ----------------------------------------------------------------------------------
 
     @classmethod
-    def trainer_init(cls, init_info, *, client, source=None) -> IPCTrainerWeightTransferEngine:
-        if isinstance(init_info, Mapping):
-            fields = {k: v for k, v in init_info.items() if k != "backend"}
-            unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(IPCTrainerInitInfo)})
-            if unknown:
-                raise ValueError(f"init_info: unknown field(s) {unknown} for backend 'ipc'")
-            init_info = IPCTrainerInitInfo(**fields)
-        if not isinstance(init_info, IPCTrainerInitInfo):
-            raise ValueError(f"init_info: expected IPCTrainerInitInfo, got {type(init_info).__name__}")
+    def _start(cls, init_info: IPCTrainerInitInfo, *, client, source) -> IPCTrainerWeightTransferEngine:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         engine = cls(init_info, client, source, rank)
         if rank == 0:
@@ -781,7 +681,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         return engine
 
     def _connect(self) -> None:
-        num_workers = self._call("get_world_size", self.client.get_world_size)
+        num_workers = self._bounded("get_world_size", self.client.get_world_size)
         if num_workers != 1:
             raise ValueError(
                 f"ipc: the engine has {num_workers} workers; the sender shares buffers on its own device only, "
@@ -789,7 +689,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             )
         self._control = _Control.create(f"wt-ipc-{self._token}-ctl")
         try:
-            self._call(
+            self._bounded(
                 "init_weight_transfer_engine",
                 self.client.init_weight_transfer_engine,
                 {
@@ -810,33 +710,30 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine):
     def send_weights(self, source=None, *, weight_version: str | None = None) -> SyncStats:
         if self._closed:
             raise RuntimeError("ipc: send_weights after shutdown")
-        source = self._source(source)
-        metas = source.metadata
-        stats = SyncStats(backend=self.backend, num_tensors=len(metas), dense_bytes=sum(m.nbytes for m in metas))
+        try:
+            return super().send_weights(source, weight_version=weight_version)
+        finally:
+            if not self.config.keep_buffers:  # the engine let them go at finish (or abort) of the update
+                self._free_buffers()
+
+    def _follow(self, source: WeightSource) -> SyncStats:
         start = time.perf_counter()
-        if self.rank != 0:
-            if _gathers(metas):  # rank 0's pass gathers sharded tensors: every rank takes part
-                for _ in source.iter_full():
-                    pass
-            stats.seconds = time.perf_counter() - start
-            return stats
+        metas = source.metadata
+        if _gathers(metas):  # rank 0's pass gathers sharded tensors: every rank takes part
+            for _ in source.iter_full():
+                pass
+        return SyncStats(backend=self.backend, num_tensors=len(metas), dense_bytes=sum(m.nbytes for m in metas),
+                         seconds=time.perf_counter() - start)
+
+    def _send(self, source: WeightSource) -> SyncStats:
+        metas = source.metadata
         packs = packing.plan_packs([m.nbytes for m in metas], self.config.packed_buffer_size_bytes)
         exports_before = self.num_exports
-        items = _PeekedSource(iter(source.iter_full()))
-        try:
-            self._sync(metas, packs, items, weight_version)
-            buffer_ids = self.buffer_ids
-        finally:
-            if not self.config.keep_buffers:
-                self._free_buffers()
-        stats.bytes_sent = stats.dense_bytes  # each byte crosses once: the trainer's copy into the shared buffer
-        stats.seconds = time.perf_counter() - start
-        stats.weight_version = weight_version
-        stats.extra.update(
-            num_packs=len(packs),
-            buffer_ids=buffer_ids,
-            num_exports=self.num_exports - exports_before,
-        )
+        self._sync(metas, packs, _PeekedSource(iter(source.iter_full())))
+        dense_bytes = sum(m.nbytes for m in metas)
+        # Each byte crosses once: the trainer's copy into the shared buffer.
+        stats = SyncStats(backend=self.backend, num_tensors=len(metas), bytes_sent=dense_bytes, dense_bytes=dense_bytes)
+        stats.extra.update(num_packs=len(packs), buffer_ids=self.buffer_ids, num_exports=self.num_exports - exports_before)
         return stats
 
     @property
@@ -844,7 +741,9 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         """ "slot.generation" of every live buffer; the same ids across syncs mean the same exports, reused."""
         return [self._buffers[slot].buffer_id for slot in sorted(self._buffers)]
 
-    def _sync(self, metas: list[ParamMeta], packs: list[packing.Pack], items: _PeekedSource, weight_version) -> None:
+    def _sync(self, metas: list[ParamMeta], packs: list[packing.Pack], items: _PeekedSource) -> None:
+        """Every pack into a buffer and its update_weights call, each call answered; on a failure the
+        engine's waits are stopped and its calls ended (the base class then aborts the update)."""
         control = self._require_control()
         limit = self.config.packed_buffer_size_bytes
         capacity = {  # ring buffers and the oversize buffer: as large as this sync's largest pack of each kind
@@ -853,7 +752,6 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         }
         tensor_list = packing.tensor_list([m.name for m in metas], [m.dtype for m in metas], [m.shape for m in metas])
         control.set_aborted(False)
-        self._call("start_weight_update", self.client.start_weight_update)
         pending: dict[int, _InFlight] = {}  # slot -> the update_weights call reading it
         where = "before the first pack"
         try:
@@ -879,8 +777,6 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             where = "waiting for the engine"
             while pending:
                 self._wait_call(pending.pop(next(iter(pending))))
-            where = "finish_weight_update"
-            self._call("finish_weight_update", self.client.finish_weight_update, weight_version)
         except BaseException as e:
             # A call posted after the engine already aborted fails with "no update in progress";
             # the failure worth reporting is the earlier call's, if one already came back failed.
@@ -961,17 +857,10 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine):
                 + ("was reading it (stalled?)" if started else "never started on it (dead, or busy with another call?)")
             ) from None
 
-    def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """A client call bounded by timeout_s (a plain call to a hung engine would wait forever)."""
-        try:
-            return call_in_background(fn, *args).result(timeout=self.config.timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"ipc: {what} did not return within timeout_s={self.config.timeout_s:g} s") from None
-
     def _abandon(
         self, pending: dict[int, _InFlight], items: _PeekedSource, metas: list[ParamMeta], error: BaseException
     ) -> None:
-        """After a failure on rank 0: stop the engine's waits, let its calls end, make it restore its weights."""
+        """After a failure on rank 0: stop the engine's waits and let its calls end (then it is told to abort)."""
         # Log strings, not exceptions: a log record would keep the traceback's frames (and their tensors) alive.
         control = self._require_control()
         control.set_aborted(True)  # an engine waiting for a fill raises now instead of at its timeout
@@ -980,11 +869,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine):
                 call.future.result(timeout=self.config.timeout_s)
             except Exception as e:  # the first error is the one reported; these follow from it
                 logger.info("ipc: the call for the pack starting at %r ended with %s", call.first_name, str(e))
-        try:
-            self._call("abort_weight_update", self.client.abort_weight_update)
-            logger.warning("ipc: sync failed (%s); the engine was told to abort the update", str(error))
-        except Exception as e:  # e.g. the engine ended the update itself, or is gone
-            logger.warning("ipc: sync failed (%s); abort_weight_update failed too: %s", str(error), str(e))
+        logger.warning("ipc: sync failed (%s); the engine will be told to abort the update", str(error))
         if _gathers(metas):
             try:  # the other ranks gather with us: finish the pass so that they are not left waiting
                 items.drain()
@@ -1047,7 +932,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             return
         if self._control is not None:
             try:
-                self._call("shutdown_weight_transfer_engine", self.client.shutdown_weight_transfer_engine)
+                self._bounded("shutdown_weight_transfer_engine", self.client.shutdown_weight_transfer_engine)
             except Exception as e:  # still free ours; an engine that is gone holds nothing of consequence
                 logger.warning("ipc: shutdown_weight_transfer_engine failed: %s", str(e))
         self._free_buffers()

@@ -3,7 +3,7 @@
 The simplest backend and the reference for the others: no transport to set up, so any client
 works (LocalWeightSyncClient with encoding "tensors", HTTPWeightSyncClient with "b64").
 
-init_info:   {"backend": "local"}
+init_info:   {"backend": "local"}   (LocalInitInfo; update_info: LocalUpdateInfo)
 update_info: {"weights": {hf_name: torch.Tensor | numpy.ndarray, ...}}
              CPU tensors and numpy arrays cross the EngineCore's ZMQ socket as zero-copy frames
              (engine/serial_utils.py), so this form works in-process and over a real engine process.
@@ -15,67 +15,87 @@ update_info: {"weights": {hf_name: torch.Tensor | numpy.ndarray, ...}}
 from __future__ import annotations
 
 import base64
-import binascii
 import math
-import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, Literal
 
+import msgspec
 import numpy as np
 import torch
 
-from weight_transfer.base import SyncStats, TrainerWeightTransferEngine, WeightTransferEngine, WeightUpdateInfo
+from weight_transfer.base import (
+    InitInfo,
+    SyncStats,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightSource,
+    WeightTransferEngine,
+    WeightUpdateInfo,
+)
+from weight_transfer.messages import INT64_MAX, Message, NonEmptyStr, NonNegInt, int_in
 
-_B64_FIELDS = ("name", "dtype", "shape", "data_b64")
+
+class LocalInitInfo(InitInfo):
+    """init_info of the local backend: nothing but "backend"."""
 
 
-class LocalWeightTransferEngine(WeightTransferEngine):
+class B64Weight(Message):
+    """One tensor in the JSON-safe form: data_b64 is the base64 of its raw little-endian row-major bytes."""
+
+    name: NonEmptyStr
+    dtype: torch.dtype
+    shape: list[NonNegInt]
+    data: bytes = msgspec.field(name="data_b64")  # decoded from base64 by msgspec
+
+    def check(self) -> None:
+        expected = math.prod(self.shape) * self.dtype.itemsize
+        if len(self.data) != expected:
+            raise ValueError(
+                f".data_b64: {len(self.data)} bytes, but shape {self.shape} of {str(self.dtype).removeprefix('torch.')} "
+                f"needs {expected}"
+            )
+
+
+class LocalUpdateInfo(Message):
+    """update_info of the local backend: the tensors themselves, by name, or in the JSON-safe form."""
+
+    # {hf_name: torch.Tensor | numpy.ndarray}: objects of this process (or ZMQ frames), which
+    # msgspec passes through as they are; _as_tensor takes them.
+    weights: dict[NonEmptyStr, Any] | list[B64Weight]
+
+
+@dataclass(kw_only=True)
+class LocalWeightUpdate(WeightUpdateInfo):
+    tensors: list[torch.Tensor]  # the call's tensors, in the order of names
+
+
+class LocalWeightTransferEngine(WeightTransferEngine[LocalInitInfo, LocalUpdateInfo]):
     """Takes the tensors straight out of update_info; nothing to set up or tear down."""
 
-    def parse_init_info(self, init_info: dict) -> dict:
-        unknown = sorted(set(init_info) - {"backend"})
-        if unknown:
-            raise ValueError(f"init_info: unknown field(s) {unknown} for backend 'local'")
-        return dict(init_info)
-
-    def init_transfer(self, init_info: dict) -> None:
+    def init_transfer(self, init_info: LocalInitInfo) -> None:
         pass
 
-    def parse_update_info(self, update_info: dict) -> WeightUpdateInfo:
-        if not isinstance(update_info, Mapping):
-            raise ValueError(f"update_info: expected a dict, got {type(update_info).__name__}")
-        unknown = sorted(set(update_info) - {"weights"})
-        if unknown:
-            raise ValueError(f"update_info: unknown field(s) {unknown}; the local backend takes only 'weights'")
-        if "weights" not in update_info:
-            raise ValueError("update_info.weights: missing")
-        weights = update_info["weights"]
-        if isinstance(weights, Mapping):
-            pairs = [(name, _as_tensor(name, value)) for name, value in weights.items()]
-        elif isinstance(weights, (list, tuple)):
-            pairs = [_decode_b64_entry(i, entry) for i, entry in enumerate(weights)]
+    def plan_update(self, update_info: LocalUpdateInfo) -> LocalWeightUpdate:
+        if isinstance(update_info.weights, dict):
+            pairs = [(name, _as_tensor(name, value)) for name, value in update_info.weights.items()]
         else:
-            raise ValueError(
-                "update_info.weights: expected {name: tensor} or a list of "
-                f"{{name, dtype, shape, data_b64}} entries, got {type(weights).__name__}"
-            )
-        for name, _ in pairs:
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"update_info.weights: tensor names must be non-empty strings, got {name!r}")
-        return WeightUpdateInfo(
+            pairs = [(w.name, _b64_tensor(w)) for w in update_info.weights]
+        return LocalWeightUpdate(
             names=[n for n, _ in pairs],
             dtypes=[t.dtype for _, t in pairs],
             shapes=[tuple(t.shape) for _, t in pairs],
-            extra={"tensors": [t for _, t in pairs]},
+            tensors=[t for _, t in pairs],
         )
 
-    def receive_weights(self, info: WeightUpdateInfo) -> Iterable[tuple[str, torch.Tensor]]:
-        return zip(info.names, info.extra["tensors"])
+    def receive_weights(self, info: LocalWeightUpdate) -> Iterable[tuple[str, torch.Tensor]]:
+        return zip(info.names, info.tensors)
 
 
-def _as_tensor(name: str, value) -> torch.Tensor:
+def _as_tensor(name: str, value: Any) -> torch.Tensor:
+    """A tensor of the {name: tensor} form as torch, without a copy. A dispatch on the two array types
+    this process may hold, not a field check: msgspec has no type for them (they never cross JSON)."""
     if isinstance(value, torch.Tensor):
         return value.detach()
     if isinstance(value, np.ndarray):
@@ -90,39 +110,10 @@ def _as_tensor(name: str, value) -> torch.Tensor:
     )
 
 
-def _torch_dtype(name: str, where: str) -> torch.dtype:
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{where}.dtype: {name!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
-    return dtype
-
-
-def _decode_b64_entry(index: int, entry) -> tuple[str, torch.Tensor]:
-    where = f"update_info.weights[{index}]"
-    if not isinstance(entry, Mapping):
-        raise ValueError(f"{where}: expected a dict with fields {list(_B64_FIELDS)}, got {type(entry).__name__}")
-    missing = [f for f in _B64_FIELDS if f not in entry]
-    unknown = sorted(set(entry) - set(_B64_FIELDS))
-    if missing or unknown:
-        raise ValueError(f"{where}: missing field(s) {missing}, unknown field(s) {unknown}")
-    name = entry["name"]
-    where = f"update_info.weights[{index}] ({name!r})"
-    dtype = _torch_dtype(entry["dtype"], where)
-    shape = entry["shape"]
-    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise ValueError(f"{where}.shape: expected a list of non-negative ints, got {shape!r}")
-    try:
-        raw = base64.b64decode(entry["data_b64"], validate=True)
-    except (binascii.Error, TypeError, ValueError) as e:
-        raise ValueError(f"{where}.data_b64: not valid base64: {e}") from None
-    itemsize = dtype.itemsize
-    expected = math.prod(shape) * itemsize
-    if len(raw) != expected:
-        raise ValueError(
-            f"{where}.data_b64: {len(raw)} bytes, but shape {list(shape)} of {entry['dtype']} needs {expected}"
-        )
-    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-    return name, flat.view(dtype).reshape(shape)
+def _b64_tensor(weight: B64Weight) -> torch.Tensor:
+    """The tensor of a JSON-safe entry (its byte count was checked against its shape)."""
+    flat = torch.frombuffer(bytearray(weight.data), dtype=torch.uint8) if weight.data else torch.empty(0, dtype=torch.uint8)
+    return flat.view(weight.dtype).reshape(weight.shape)
 
 
 # ---------------------------------------------------------------------------------------
@@ -155,79 +146,47 @@ def make_update_info(named_tensors: Iterable[tuple[str, torch.Tensor]], encoding
     raise ValueError(f"encoding: {encoding!r} is not supported; use 'tensors' or 'b64'")
 
 
-@dataclass(frozen=True)
-class LocalTrainerInitInfo:
+class LocalTrainerInitInfo(TrainerInitInfo):
     """Trainer settings of the local backend: how tensors are encoded and how many bytes go per call."""
 
     backend: ClassVar[str] = "local"
-    encoding: str = "tensors"  # "tensors" (in-process or ZMQ clients) or "b64" (HTTP)
-    max_bytes_per_call: int = 256 << 20
-
-    def __post_init__(self) -> None:
-        if self.encoding not in ("tensors", "b64"):
-            raise ValueError(f"encoding: {self.encoding!r} is not supported; use 'tensors' or 'b64'")
-        if self.max_bytes_per_call < 1:
-            raise ValueError(f"max_bytes_per_call: must be >= 1, got {self.max_bytes_per_call}")
+    encoding: Literal["tensors", "b64"] = "tensors"  # "tensors" (in-process or ZMQ clients) or "b64" (HTTP)
+    max_bytes_per_call: int_in(1, INT64_MAX) = 256 << 20
 
 
-class LocalTrainerWeightTransferEngine(TrainerWeightTransferEngine):
+class LocalTrainerWeightTransferEngine(TrainerWeightTransferEngine[LocalTrainerInitInfo]):
     """Sends tensors inside update_info, in calls of at most max_bytes_per_call bytes (a bigger tensor goes alone)."""
 
     backend = "local"
 
     @classmethod
-    def trainer_init(cls, init_info, *, client, source=None) -> "LocalTrainerWeightTransferEngine":
-        if isinstance(init_info, dict):
-            init_info = LocalTrainerInitInfo(**{k: v for k, v in init_info.items() if k != "backend"})
+    def _start(cls, init_info: LocalTrainerInitInfo, *, client, source) -> "LocalTrainerWeightTransferEngine":
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         if rank == 0:
             client.init_weight_transfer_engine({"backend": "local"})
         return cls(init_info, client, source, rank)
 
-    def send_weights(self, source=None, *, weight_version: str | None = None) -> SyncStats:
-        source = self._source(source)
-        stats = SyncStats(self.backend, weight_version=weight_version)
-        start = time.perf_counter()
-        sender = self.rank == 0
-        if sender:
-            self.client.start_weight_update()
-        try:
-            batch: list[tuple[str, torch.Tensor]] = []
-            batch_bytes = 0
-            tensors = source.iter_full()  # every rank iterates: a sharded source gathers here
-            for meta in source.metadata:
-                # Flush before gathering a tensor that would overflow the call: at most one call's bytes are held.
-                if sender and batch and batch_bytes + meta.nbytes > self.init_info.max_bytes_per_call:
-                    self.client.update_weights(make_update_info(batch, self.init_info.encoding))
-                    batch, batch_bytes = [], 0
-                name, tensor = next(tensors)
-                if not sender:
-                    continue
-                nbytes = tensor.numel() * tensor.element_size()
-                batch.append((name, tensor.detach().cpu()))
-                batch_bytes += nbytes
-                stats.num_tensors += 1
-                stats.bytes_sent += nbytes
-            if sender and batch:
+    def _send(self, source: WeightSource) -> SyncStats:
+        stats = SyncStats(self.backend)
+        batch: list[tuple[str, torch.Tensor]] = []
+        batch_bytes = 0
+        tensors = source.iter_full()
+        for meta in source.metadata:
+            # Flush before gathering a tensor that would overflow the call: at most one call's bytes are held.
+            if batch and batch_bytes + meta.nbytes > self.init_info.max_bytes_per_call:
                 self.client.update_weights(make_update_info(batch, self.init_info.encoding))
-        except BaseException:
-            if sender:
-                _abort_quietly(self.client)
-            raise
-        if sender:
-            self.client.finish_weight_update(weight_version)
+                batch, batch_bytes = [], 0
+            name, tensor = next(tensors)
+            nbytes = tensor.numel() * tensor.element_size()
+            batch.append((name, tensor.detach().cpu()))
+            batch_bytes += nbytes
+            stats.num_tensors += 1
+            stats.bytes_sent += nbytes
+        if batch:
+            self.client.update_weights(make_update_info(batch, self.init_info.encoding))
         stats.dense_bytes = stats.bytes_sent
-        stats.seconds = time.perf_counter() - start
         return stats
 
     def shutdown(self) -> None:
         if self.rank == 0:
             self.client.shutdown_weight_transfer_engine()
-
-
-def _abort_quietly(client) -> None:
-    """Tells the engine to drop a half-done update; the original error is the one worth raising."""
-    try:
-        client.abort_weight_update()
-    except Exception:  # the engine may be the thing that failed
-        pass

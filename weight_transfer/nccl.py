@@ -4,12 +4,12 @@ The group is trainer rank 0 (the sender) plus every engine worker, at rank
 rank_offset + dp_index * workers_per_engine + worker_rank (rank_offset is 1: the trainer is 0).
 Both sides run the same code; the device picks the transport (weight_transfer/process_group.py).
 
-init_info (JSON, sent by the trainer; see NCCLTrainerInitInfo for the trainer's own form):
+init_info (NCCLInitInfo; JSON, sent by the trainer; NCCLTrainerInitInfo is the trainer's own form):
     {"backend": "nccl", "master_address": str, "master_port": int, "world_size": int,
      "rank_offset": 1, "dp_index": 0, "packed": true, "packed_buffer_size_bytes": int,
      "packed_num_buffers": int, "timeout_s": float, "device_type": "cpu" | "cuda",
      "group_generation": int}
-update_info (JSON): {"names": [...], "dtypes": [...], "shapes": [[...], ...], "call_id": int}
+update_info (NCCLUpdateInfo, JSON): {"names": [...], "dtypes": [...], "shapes": [[...], ...], "call_id": int}
 
 The engine's init connects out to master_address, so rendezvous() names it: the worker checks
 it against the engine's weight_transfer_allowed_hosts before anything connects, and runs
@@ -34,27 +34,29 @@ trainer gives up); the trainer's next send_weights joins a fresh group (a new ge
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Annotated, ClassVar, Literal
 
+import msgspec
 import torch
 
 from weight_transfer.base import (
-    INT64_MAX,
+    InitInfo,
     ParamMeta,
     Rendezvous,
     SyncStats,
+    TrainerInitInfo,
     TrainerWeightTransferEngine,
     WeightSource,
     WeightTransferEngine,
     WeightUpdateInfo,
-    check_timeout_s,
+    answer_of,
 )
 from weight_transfer.clients import call_in_background
-from weight_transfer.packing import ALIGN, parse_tensor_list, plan_packs, tensor_list
+from weight_transfer.messages import TimeoutS, int_in
+from weight_transfer.packing import ALIGN, TensorList, plan_packs, tensor_list
 from weight_transfer.process_group import (
     Check,
     StoreKeys,
@@ -77,49 +79,18 @@ DEFAULT_TIMEOUT_S = 300.0
 MAX_NUM_BUFFERS = 64  # pack buffers (or unpacked broadcasts) in flight at once
 MAX_WORLD_SIZE = (1 << 31) - 1  # torch.distributed takes ranks and sizes as C int
 
+Address = Annotated[str, msgspec.Meta(pattern=r"\S")]  # a host name or IP address (not blank)
+WorldSize = int_in(2, MAX_WORLD_SIZE)
+BufferSize = int_in(ALIGN)
+NumBuffers = int_in(1, MAX_NUM_BUFFERS)
+
 
 # =======================================================================================
-# Settings, checked the same way on both sides
+# Messages: the trainer's settings, the engine's init_info and update_info
 # =======================================================================================
 
 
-def _int_field(value: Any, where: str, minimum: int, maximum: int = INT64_MAX) -> int:
-    """An int (not a bool) in [minimum, maximum]; the default maximum keeps it within 64 bits."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{where}: expected an integer, got {value!r}")
-    if not minimum <= value <= maximum:
-        bound = f"[{minimum}, {maximum}]" if maximum != INT64_MAX else f">= {minimum} (and below 2**63)"
-        shown = value if value.bit_length() <= 64 else f"an integer of {value.bit_length()} bits"
-        raise ValueError(f"{where}: {shown} is out of range (must be {bound})")
-    return value
-
-
-def _timeout_field(value: Any, where: str) -> float:
-    return check_timeout_s(value, where)
-
-
-def _bool_field(value: Any, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{where}: expected true or false, got {value!r}")
-    return value
-
-
-def _address_field(value: Any, where: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{where}: expected a host name or IP address, got {value!r}")
-    return value
-
-
-def _settings(packed: Any, buffer_size: Any, num_buffers: Any, prefix: str = "") -> TransferSettings:
-    return TransferSettings(
-        _bool_field(packed, f"{prefix}packed"),
-        _int_field(buffer_size, f"{prefix}packed_buffer_size_bytes", ALIGN),
-        _int_field(num_buffers, f"{prefix}packed_num_buffers", 1, MAX_NUM_BUFFERS),
-    )
-
-
-@dataclass(frozen=True)
-class NCCLTrainerInitInfo:
+class NCCLTrainerInitInfo(TrainerInitInfo):
     """Trainer-side settings of the nccl backend; every trainer rank builds the same one.
 
     world_size is the size of the weight-sync group: 1 sender + every engine worker.
@@ -128,49 +99,51 @@ class NCCLTrainerInitInfo:
 
     backend: ClassVar[str] = "nccl"
 
-    master_address: str
-    master_port: int
-    world_size: int
+    master_address: Address
+    master_port: int_in(0, 65535)
+    world_size: WorldSize
     packed: bool = True
-    packed_buffer_size_bytes: int = 1 << 30
-    packed_num_buffers: int = 2
+    packed_buffer_size_bytes: BufferSize = 1 << 30
+    packed_num_buffers: NumBuffers = 2
     # This process's trainer rank (0 sends) when torch.distributed is not initialized; when it
     # is, the default group's rank decides, so that every rank can pass the same init info.
-    rank: int = 0
-    timeout_s: float = DEFAULT_TIMEOUT_S  # the longest any single wait may take
-
-    def __post_init__(self) -> None:
-        _address_field(self.master_address, "master_address")
-        _int_field(self.master_port, "master_port", 0, 65535)
-        _int_field(self.world_size, "world_size", 2, MAX_WORLD_SIZE)
-        _settings(self.packed, self.packed_buffer_size_bytes, self.packed_num_buffers)
-        _int_field(self.rank, "rank", 0)
-        _timeout_field(self.timeout_s, "timeout_s")
+    rank: int_in(0) = 0
+    timeout_s: TimeoutS = DEFAULT_TIMEOUT_S  # the longest any single wait may take
 
     @property
     def settings(self) -> TransferSettings:
-        return _settings(self.packed, self.packed_buffer_size_bytes, self.packed_num_buffers)
+        return TransferSettings(self.packed, self.packed_buffer_size_bytes, self.packed_num_buffers)
 
 
-@dataclass(frozen=True)
-class EngineInitInfo:
-    """init_info as an engine worker reads it (parse_init_info's result)."""
+class NCCLInitInfo(InitInfo):
+    """init_info as the trainer sends it to the engine (NCCLTrainerWeightTransferEngine._engine_init_info)."""
 
-    master_address: str
-    master_port: int
-    world_size: int
-    rank: int  # this worker's rank in the group
-    settings: TransferSettings
-    timeout_s: float
-    device_type: str
-    generation: int
+    master_address: Address
+    master_port: int_in(1, 65535)
+    world_size: WorldSize
+    device_type: Literal["cpu", "cuda"]
+    rank_offset: int_in(1) = 1  # the group rank of the engine's worker 0 (RayWeightSyncClient shifts it per engine)
+    dp_index: int_in(0) = 0
+    packed: bool = True
+    packed_buffer_size_bytes: BufferSize = 1 << 30
+    packed_num_buffers: NumBuffers = 2
+    timeout_s: TimeoutS = DEFAULT_TIMEOUT_S
+    group_generation: int_in(0) = 0
+
+    @property
+    def settings(self) -> TransferSettings:
+        return TransferSettings(self.packed, self.packed_buffer_size_bytes, self.packed_num_buffers)
 
 
-_ENGINE_FIELDS = (
-    "backend", "master_address", "master_port", "world_size", "rank_offset", "dp_index", "packed",
-    "packed_buffer_size_bytes", "packed_num_buffers", "timeout_s", "device_type", "group_generation",
-)
-_REQUIRED = ("master_address", "master_port", "world_size", "device_type")
+class NCCLUpdateInfo(TensorList):
+    """update_info: the call's tensors and its id (the store keys of the call are named after it)."""
+
+    call_id: int_in(1)
+
+
+@dataclass(kw_only=True)
+class NCCLWeightUpdate(WeightUpdateInfo):
+    call_id: int
 
 
 # =======================================================================================
@@ -178,107 +151,69 @@ _REQUIRED = ("master_address", "master_port", "world_size", "device_type")
 # =======================================================================================
 
 
-class NCCLWeightTransferEngine(WeightTransferEngine):
+class NCCLWeightTransferEngine(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo]):
     """An engine worker's end of the group: joins it at init, receives each update_weights call's tensors."""
-
-    backend_name = "nccl"
-    _update_fields: tuple[str, ...] = ("names", "dtypes", "shapes", "call_id")
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         # self.worker_rank, self.workers_per_engine: this worker's tensor-parallel rank and the
         # engine's worker count (bind_worker, before parse_init_info), so each worker joins at its own rank.
-        self.info: EngineInitInfo | None = None
+        self.info: NCCLInitInfo | None = None
+        self.rank = 0  # this worker's rank in the group
         self.store = None
         self.keys: StoreKeys | None = None
         self.group: WeightSyncGroup | None = None
 
     # ---- init -------------------------------------------------------------------------------
 
-    def parse_init_info(self, init_info: dict) -> EngineInitInfo:
-        if not isinstance(init_info, Mapping):
-            raise ValueError(f"init_info: expected a dict, got {type(init_info).__name__}")
-        unknown = sorted(set(init_info) - set(_ENGINE_FIELDS))
-        if unknown:
-            raise ValueError(f"init_info: unknown field(s) {unknown} for backend {self.backend_name!r}")
-        missing = [f for f in _REQUIRED if f not in init_info]
-        if missing:
-            raise ValueError(f"init_info.{missing[0]}: missing (required: {list(_REQUIRED)})")
-        get = init_info.get
-        world_size = _int_field(init_info["world_size"], "init_info.world_size", 2, MAX_WORLD_SIZE)
-        rank_offset = _int_field(get("rank_offset", 1), "init_info.rank_offset", 1)
-        dp_index = _int_field(get("dp_index", 0), "init_info.dp_index", 0)
-        rank = rank_offset + dp_index * self.workers_per_engine + self.worker_rank
-        if rank >= world_size:
+    def _group_rank(self, init_info: NCCLInitInfo) -> int:
+        return init_info.rank_offset + init_info.dp_index * self.workers_per_engine + self.worker_rank
+
+    def check_init_info(self, init_info: NCCLInitInfo) -> None:
+        rank = self._group_rank(init_info)
+        if rank >= init_info.world_size:
             raise ValueError(
-                f"init_info.world_size: {world_size} leaves no rank for this worker "
-                f"(rank_offset {rank_offset} + dp_index {dp_index} * {self.workers_per_engine} "
+                f"init_info.world_size: {init_info.world_size} leaves no rank for this worker "
+                f"(rank_offset {init_info.rank_offset} + dp_index {init_info.dp_index} * {self.workers_per_engine} "
                 f"+ worker {self.worker_rank} = {rank})"
             )
-        device_type = get("device_type")
-        if device_type not in ("cpu", "cuda"):
-            raise ValueError(f"init_info.device_type: expected 'cpu' or 'cuda', got {device_type!r}")
-        if device_type != self.device.type:
+        if init_info.device_type != self.device.type:
             raise ValueError(
-                f"init_info.device_type: the trainer sends from {device_type} but this engine runs on "
+                f"init_info.device_type: the trainer sends from {init_info.device_type} but this engine runs on "
                 f"{self.device.type}; both ends of the group need the same kind of device"
             )
-        return EngineInitInfo(
-            master_address=_address_field(init_info["master_address"], "init_info.master_address"),
-            master_port=_int_field(init_info["master_port"], "init_info.master_port", 1, 65535),
-            world_size=world_size,
-            rank=rank,
-            settings=_settings(
-                get("packed", True), get("packed_buffer_size_bytes", 1 << 30), get("packed_num_buffers", 2),
-                prefix="init_info.",
-            ),
-            timeout_s=_timeout_field(get("timeout_s", DEFAULT_TIMEOUT_S), "init_info.timeout_s"),
-            device_type=device_type,
-            generation=_int_field(get("group_generation", 0), "init_info.group_generation", 0),
-        )
 
-    def rendezvous(self, init_info: EngineInitInfo) -> Rendezvous:
+    def rendezvous(self, init_info: NCCLInitInfo) -> Rendezvous:
         # The store (then the group on it) at master_address: the address the worker checks first.
         peer = host_port(init_info.master_address, init_info.master_port)
         return Rendezvous(init_info.timeout_s, f"the trainer's TCPStore at {peer}", init_info.master_address,
                           "init_info.master_address")
 
-    def init_transfer(self, init_info: EngineInitInfo) -> None:
-        keys = StoreKeys(init_info.generation)
+    def init_transfer(self, init_info: NCCLInitInfo) -> None:
+        keys = StoreKeys(init_info.group_generation)
+        rank = self._group_rank(init_info)
         store = connect_store(init_info.master_address, init_info.master_port, init_info.timeout_s)
-        store.set(keys.joined(init_info.rank), "1")  # lets the trainer start its side of the rendezvous
+        store.set(keys.joined(rank), "1")  # lets the trainer start its side of the rendezvous
         self.group = WeightSyncGroup(
-            store, prefix=keys.group, rank=init_info.rank, world_size=init_info.world_size, device=self.device,
+            store, prefix=keys.group, rank=rank, world_size=init_info.world_size, device=self.device,
             timeout_s=init_info.timeout_s, address=init_info.master_address,
         )
-        self.info, self.store, self.keys = init_info, store, keys
+        self.info, self.rank, self.store, self.keys = init_info, rank, store, keys
 
     # ---- one update_weights call --------------------------------------------------------------
 
-    def parse_update_info(self, update_info: dict) -> WeightUpdateInfo:
-        info = self._parse_update_fields(update_info)
+    def plan_update(self, update_info: NCCLUpdateInfo) -> NCCLWeightUpdate:
         self._require_group()
-        if type(self).backend_name == "nccl":
-            # A pack's views stay valid until the next pack is pulled (unpacked: each tensor is its own
-            # allocation); runs of the same bounded size let the worker land a run at once.
-            specs = [WireSpec(n, d, s) for n, d, s in zip(info.names, info.dtypes, info.shapes)]
-            packs = plan_packs([s.nbytes for s in specs], self.info.settings.buffer_size)
-            info.group_sizes = [len(p.slots) for p in packs]
-        return info
+        # A pack's views stay valid until the next pack is pulled (unpacked: each tensor is its own
+        # allocation); runs of the same bounded size let the worker land a run at once.
+        specs = [WireSpec(n, d, s) for n, d, s in zip(update_info.names, update_info.dtypes, update_info.shapes)]
+        packs = plan_packs([s.nbytes for s in specs], self.info.settings.buffer_size)
+        return NCCLWeightUpdate(update_info.names, update_info.dtypes, update_info.shapes,
+                                group_sizes=[len(p.slots) for p in packs], call_id=update_info.call_id)
 
-    def _parse_update_fields(self, update_info: dict) -> WeightUpdateInfo:
-        if not isinstance(update_info, Mapping):
-            raise ValueError(f"update_info: expected a dict, got {type(update_info).__name__}")
-        unknown = sorted(set(update_info) - set(self._update_fields))
-        if unknown:
-            raise ValueError(f"update_info: unknown field(s) {unknown} for backend {self.backend_name!r}")
-        names, dtypes, shapes = parse_tensor_list(dict(update_info))
-        call_id = _int_field(update_info.get("call_id"), "update_info.call_id", 1)
-        return WeightUpdateInfo(names, dtypes, shapes, extra={"call_id": call_id})
-
-    def receive_weights(self, info: WeightUpdateInfo) -> Iterator[tuple[str, torch.Tensor]]:
+    def receive_weights(self, info: NCCLWeightUpdate) -> Iterator[tuple[str, torch.Tensor]]:
         specs = [WireSpec(n, d, s) for n, d, s in zip(info.names, info.dtypes, info.shapes)]
-        stream = self._receive(info.extra["call_id"], specs)
+        stream = self._receive(info.call_id, specs)
         try:
             for name, tensor in zip(info.names, stream):
                 yield name, tensor
@@ -289,7 +224,7 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
     def _receive(self, call_id: int, specs: Sequence[WireSpec]) -> Iterator[torch.Tensor]:
         """The call's tensors off the wire; any failure, or a consumer that stops early, aborts the group."""
         group = self._require_group()
-        self.store.set(self.keys.ready(call_id, self.info.rank), "1")  # metadata validated, receives posted next
+        self.store.set(self.keys.ready(call_id, self.rank), "1")  # metadata validated, receives posted next
         complete = False
         try:
             yield from receive_items(group, specs, self.info.settings, self._abort_check(call_id))
@@ -365,15 +300,6 @@ def _raise_engine_error(future: Future, must_be_pending: bool = False) -> Check:
     return check
 
 
-def _result(future: Future, timeout_s: float, what: str) -> Any:
-    try:
-        return future.result(timeout=timeout_s)
-    except TimeoutError:
-        if future.done():  # the call itself raised a TimeoutError
-            raise
-        raise TimeoutError(f"{what}: the engine did not answer within timeout_s={timeout_s:g}") from None
-
-
 def _in_metadata_order(metas: Sequence[ParamMeta], pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[torch.Tensor]:
     """The tensors of iter_full(), checked against the metadata's names and run to the end."""
     pairs = iter(pairs)
@@ -389,16 +315,14 @@ def _in_metadata_order(metas: Sequence[ParamMeta], pairs: Iterable[tuple[str, to
         raise ValueError(f"source: iter_full() yielded {extra[0]!r}, which its metadata does not list")
 
 
-class NCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine):
+class NCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):
     """The trainer's end: rank 0 hosts the store, joins the group with the engine and broadcasts."""
 
     backend = "nccl"
-    init_info_type: ClassVar[type] = NCCLTrainerInitInfo
 
     def __init__(self, init_info: NCCLTrainerInitInfo, client, source, rank: int) -> None:
         super().__init__(init_info, client, source, rank)
         self.settings = init_info.settings
-        self.timeout_s = init_info.timeout_s
         self.device: torch.device | None = None
         self.store = None
         self.keys: StoreKeys | None = None
@@ -407,9 +331,7 @@ class NCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         self.call_id = 0
 
     @classmethod
-    def trainer_init(cls, init_info, *, client, source=None):
-        if not isinstance(init_info, cls.init_info_type):
-            raise ValueError(f"init_info: expected a {cls.init_info_type.__name__}, got {type(init_info).__name__}")
+    def _start(cls, init_info: NCCLTrainerInitInfo, *, client, source) -> NCCLTrainerWeightTransferEngine:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else init_info.rank
         engine = cls(init_info, client, source, rank)
         if engine.rank == 0:
@@ -445,7 +367,7 @@ class NCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             timeout_s=self.timeout_s, address=info.master_address,
         )
         try:
-            _result(future, self.timeout_s, "init_weight_transfer_engine")
+            answer_of(future, self.timeout_s, "init_weight_transfer_engine")
         except BaseException:
             group.close()
             raise
@@ -467,41 +389,18 @@ class NCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             "group_generation": self.generation,
         }
 
-    def _bounded(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """A client call that must answer within timeout_s (whatever the client's own timeout)."""
-        return _result(call_in_background(fn, *args), self.timeout_s, what)
-
     # ---- one sync -----------------------------------------------------------------------------
 
-    def send_weights(self, source=None, *, weight_version: str | None = None) -> SyncStats:
-        src = self._source(source)
-        if self.rank != 0:
-            return self._follow(src, weight_version)
-        start = time.perf_counter()
-        metas = src.metadata
-        stats = SyncStats(self.backend, num_tensors=len(metas), weight_version=weight_version)
-        stats.dense_bytes = sum(m.nbytes for m in metas)
-
-        def body() -> None:
-            specs = [WireSpec(m.name, m.dtype, tuple(m.shape)) for m in metas]
-            update_info = tensor_list([m.name for m in metas], [m.dtype for m in metas], [m.shape for m in metas])
-            stats.bytes_sent = self._send_call(update_info, specs, _in_metadata_order(metas, src.iter_full()))
-
-        self._run_update(body, weight_version)
-        stats.seconds = time.perf_counter() - start
-        return stats
-
-    def _run_update(self, body: Callable[[], None], weight_version: str | None) -> None:
-        """start_weight_update, body(), finish_weight_update; on any failure the engine is told to restore."""
+    def _before_update(self) -> None:
         if self.group is None or self.group.aborted:
             self._join()  # the last sync failed: both ends dropped that group
-        self._bounded("start_weight_update", self.client.start_weight_update)
-        try:
-            body()
-            self._bounded("finish_weight_update", self.client.finish_weight_update, weight_version)
-        except BaseException:
-            self._abort_engine_update()
-            raise
+
+    def _send(self, source: WeightSource) -> SyncStats:
+        metas = source.metadata
+        specs = [WireSpec(m.name, m.dtype, tuple(m.shape)) for m in metas]
+        update_info = tensor_list([m.name for m in metas], [m.dtype for m in metas], [m.shape for m in metas])
+        sent = self._send_call(update_info, specs, _in_metadata_order(metas, source.iter_full()))
+        return SyncStats(self.backend, num_tensors=len(metas), bytes_sent=sent, dense_bytes=sum(m.nbytes for m in metas))
 
     def _send_call(self, update_info: dict, specs: Sequence[WireSpec], tensors: Iterator[torch.Tensor]) -> int:
         """One update_weights call: the engine validates the metadata, then the tensors are broadcast."""
@@ -516,7 +415,7 @@ class NCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             )
             sent = send_items(self.group, specs, tensors, self.settings, _raise_engine_error(future))
             next(tensors, None)  # lets the source check that it has nothing left
-            _result(future, self.timeout_s, "update_weights")
+            answer_of(future, self.timeout_s, "update_weights")
             return sent
         except BaseException as e:
             try:  # tell the engine at once rather than letting it wait out its timeout
@@ -527,12 +426,6 @@ class NCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             # another trainer's): the next sync joins a fresh group rather than guess.
             self.group.abort()
             raise
-
-    def _abort_engine_update(self) -> None:
-        try:
-            self._bounded("abort_weight_update", self.client.abort_weight_update)
-        except Exception as e:  # e.g. the engine already ended the update itself, or it is gone
-            logger.info("abort_weight_update after a failed sync: %s", e)
 
     def shutdown(self) -> None:
         if self.rank == 0 and self.group is not None and self.client is not None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weight_transfer.base import INT64_MAX
+from weight_transfer.messages import Message, NonEmptyStr, NonNegInt
 
 ALIGN = 256
 
@@ -77,43 +77,28 @@ def view_of(buffer: torch.Tensor, slot: PackSlot, dtype: torch.dtype, shape: Seq
     return buffer[slot.offset : slot.offset + slot.nbytes].view(dtype).reshape(tuple(shape))
 
 
-# ---- dtype names on the wire (JSON): "bfloat16", "float32", ... ---------------------------------
+# ---- tensor lists on the wire (JSON): names, dtype names ("bfloat16", "float32", ...), shapes -----------
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def parse_dtype(name: object, where: str) -> torch.dtype:
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{where}: {name!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
-    return dtype
+class TensorList(Message):
+    """{"names": [...], "dtypes": [...], "shapes": [[...], ...]}: the tensors of one call, in order
+    (a part of several backends' update_info)."""
 
+    names: list[NonEmptyStr]
+    dtypes: list[torch.dtype]
+    shapes: list[tuple[NonNegInt, ...]]
 
-def parse_tensor_list(update_info: dict, where: str = "update_info") -> tuple[list[str], list[torch.dtype], list[tuple[int, ...]]]:
-    """Checks and decodes {"names": [...], "dtypes": [...], "shapes": [[...], ...]} (same lengths)."""
-    for key in ("names", "dtypes", "shapes"):
-        if not isinstance(update_info.get(key), list):
-            raise ValueError(f"{where}.{key}: expected a list, got {type(update_info.get(key)).__name__}")
-    names, dtypes, shapes = update_info["names"], update_info["dtypes"], update_info["shapes"]
-    if not (len(names) == len(dtypes) == len(shapes)):
-        raise ValueError(f"{where}: {len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes; they must match")
-    parsed_shapes = []
-    for i, shape in enumerate(shapes):
-        if not isinstance(shape, (list, tuple)) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= INT64_MAX for d in shape
-        ):
-            raise ValueError(f"{where}.shapes[{i}] ({names[i]!r}): expected a list of non-negative ints "
-                             f"(below 2**63), got {shape!r}")
-        parsed_shapes.append(tuple(shape))
-    for i, name in enumerate(names):
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"{where}.names[{i}]: expected a non-empty string, got {name!r}")
-    parsed_dtypes = [parse_dtype(d, f"{where}.dtypes[{i}] ({names[i]!r})") for i, d in enumerate(dtypes)]
-    return list(names), parsed_dtypes, parsed_shapes
+    def check(self) -> None:
+        if not (len(self.names) == len(self.dtypes) == len(self.shapes)):
+            raise ValueError(
+                f"{len(self.names)} names, {len(self.dtypes)} dtypes, {len(self.shapes)} shapes; they must match"
+            )
 
 
 def tensor_list(names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]) -> dict:
-    """The JSON form parse_tensor_list reads."""
+    """The JSON form TensorList reads."""
     return {"names": list(names), "dtypes": [dtype_name(d) for d in dtypes], "shapes": [list(s) for s in shapes]}

@@ -15,11 +15,13 @@ word until the group is published, NIXL-READ each pack's consumed byte ranges in
 `num_recv_buffers` receive buffers (reads of later packs overlap the landing of earlier
 ones), yield the tensors as views, and ack the group with a NIXL notification.
 
-init_info (engine, JSON):  {"backend": "sharded_rdt", "timeout_s": 120.0, "num_recv_buffers": 2, "nixl_backend": "UCX"}
-update_info (JSON):        {"sync_id": int, "names": [...], "dtypes": [...], "shapes": [...],
-                            "group_sizes": [int, ...], "chunk_bytes": int, "num_slots": int,
-                            "producers": [{"rank", "agent_name", "agent_metadata_b64", "mem_type",
-                                           "device_id", "slots": [[addr, nbytes], ...], "status": [addr, nbytes]}]}
+init_info (engine, ShardedRDTInitInfo):
+    {"backend": "sharded_rdt", "timeout_s": 120.0, "num_recv_buffers": 2, "nixl_backend": "UCX"}
+update_info (ShardedRDTUpdateInfo):
+    {"sync_id": int, "names": [...], "dtypes": [...], "shapes": [...],
+     "group_sizes": [int, ...], "chunk_bytes": int, "num_slots": int,
+     "producers": [{"rank", "agent_name", "agent_metadata_b64", "mem_type",
+                    "device_id", "slots": [[addr, nbytes], ...], "status": [addr, nbytes]}]}
 
 Failure: every wait (slot free, group published, READ done, every ack) is bounded by
 timeout_s. A dead or stalled producer makes the engine's receive raise (the worker restores
@@ -29,33 +31,30 @@ words, which engines see at their next poll.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import concurrent.futures
-import dataclasses
-import math
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
+import msgspec
 import torch
 from torch import nn
 
 from weight_transfer.base import (
-    INT64_MAX,
-    MAX_TIMEOUT_S,
+    InitInfo,
     Rendezvous,
     SyncStats,
+    TrainerInitInfo,
     TrainerWeightTransferEngine,
     WeightSource,
     WeightTransferEngine,
     WeightUpdateInfo,
-    check_timeout_s,
 )
 from weight_transfer.clients import call_in_background
-from weight_transfer.packing import PackSlot, copy_into, nbytes_of, parse_tensor_list, tensor_list, view_of
+from weight_transfer.messages import Message, NonEmptyStr, NonNegFloat, NonNegInt, TimeoutS, int_in
+from weight_transfer.packing import PackSlot, TensorList, copy_into, nbytes_of, tensor_list, view_of
 from weight_transfer.rdt_plan import ByteRanges, SyncPlan, bake_consumed_ranges, build_plan, group_sizes
 from weight_transfer.rdt_producer import EMPTY, GROUP_LIMIT, RDTProducer, make_agent, mem_type_of, tag_of
 
@@ -64,77 +63,42 @@ _MARGIN_S = 10.0  # extra wait on the trainer for answers the other side itself 
 _MAX_RECV_BUFFERS = 64
 
 
-@dataclass(frozen=True)
-class ShardedRDTTrainerInitInfo:
+class ShardedRDTTrainerInitInfo(TrainerInitInfo):
     """Trainer-side settings of a sharded_rdt transfer; every rank passes the same values."""
 
     backend: ClassVar[str] = "sharded_rdt"
 
-    lookahead_groups: int = 2
+    lookahead_groups: int_in(1) = 2
     """Layer groups a producer holds at once (its slots): the trainer's memory bound and an engine's read-ahead."""
-    chunk_bytes: int = 64 * MiB
+    chunk_bytes: int_in(256) = 64 * MiB
     """Pack size in a group: one NIXL READ each; an engine's receive buffers are this large (or one larger tensor)."""
-    num_recv_buffers: int = 2
+    num_recv_buffers: int_in(1, _MAX_RECV_BUFFERS) = 2
     """Receive buffers per engine worker: READs of later packs overlap the landing of earlier ones."""
-    timeout_s: float = 120.0
+    timeout_s: TimeoutS = 120.0
     """Limit of every wait on either side (a slot to free, a group to appear, a READ, the acks) before it fails."""
-    nixl_backend: str = "UCX"
+    nixl_backend: NonEmptyStr = "UCX"
     """NIXL backend of producers and engines."""
-    producer_device: str = "cpu"
+    producer_device: Annotated[str, msgspec.Meta(pattern=r"^(cpu|cuda)\Z|^cuda:")] = "cpu"
     """Where the producer's slots live: "cpu" (host memory) or "cuda" (VRAM; give the actor producer_num_gpus)."""
-    producer_num_gpus: float = 0.0
+    producer_num_gpus: NonNegFloat = 0.0
     """GPUs the producer actor asks Ray for (a fraction shares the trainer's GPU)."""
-    name: str = "sharded-rdt"
+    name: NonEmptyStr = "sharded-rdt"
     """Prefix of the producer actors' Ray names ("<name>-producer-<rank>"); unique per trainer on a shared cluster."""
-    rank: int | None = None
+    rank: int_in(0) | None = None
     """This trainer rank; None: torch.distributed's rank, or 0 without a process group."""
-    world_size: int | None = None
+    world_size: int_in(1) | None = None
     """Trainer ranks (one producer each); None: torch.distributed's world size, or 1."""
-    startup_timeout_s: float = 300.0
+    startup_timeout_s: TimeoutS = 300.0
     """Limit on starting a producer actor (a fresh Ray worker process) and finding the other ranks' producers."""
     ray_address: str | None = None
     """Passed to ray.init() when this process is not connected to Ray yet (None: Ray's default)."""
-    producer_host: str = "ray"
+    producer_host: Literal["ray", "thread"] = "ray"
     """Where each trainer rank's producer runs: "ray" (a Ray actor; any number of trainer ranks) or "thread"
     (inside the trainer process, its calls on a few threads: no Ray needed, for a one-rank trainer)."""
 
-    def __post_init__(self) -> None:
-        def need(ok: bool, field_name: str, what: str) -> None:
-            if not ok:
-                raise ValueError(f"init_info.{field_name}: {what}, got {getattr(self, field_name)!r}")
-
-        def is_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool) and abs(v) <= INT64_MAX
-
-        need(is_int(self.lookahead_groups) and self.lookahead_groups >= 1, "lookahead_groups", "expected an int >= 1")
-        need(is_int(self.chunk_bytes) and self.chunk_bytes >= 256, "chunk_bytes", "expected an int >= 256")
-        need(is_int(self.num_recv_buffers) and 1 <= self.num_recv_buffers <= _MAX_RECV_BUFFERS, "num_recv_buffers",
-             f"expected an int in [1, {_MAX_RECV_BUFFERS}]")
-        need(_timeout(self.timeout_s), "timeout_s", f"expected a positive number of seconds up to {MAX_TIMEOUT_S:g}")
-        need(_timeout(self.startup_timeout_s), "startup_timeout_s",
-             f"expected a positive number of seconds up to {MAX_TIMEOUT_S:g}")
-        need(isinstance(self.nixl_backend, str) and bool(self.nixl_backend), "nixl_backend", "expected a backend name")
-        need(self.producer_device in ("cpu", "cuda") or str(self.producer_device).startswith("cuda:"),
-             "producer_device", 'expected "cpu" or "cuda"')
-        need(_number(self.producer_num_gpus) and self.producer_num_gpus >= 0, "producer_num_gpus",
-             "expected a number >= 0")
-        need(isinstance(self.name, str) and bool(self.name), "name", "expected a non-empty string")
-        need(self.producer_host in ("ray", "thread"), "producer_host", 'expected "ray" or "thread"')
-        need(self.rank is None or (is_int(self.rank) and self.rank >= 0), "rank", "expected None or an int >= 0")
-        need(self.world_size is None or (is_int(self.world_size) and self.world_size >= 1),
-             "world_size", "expected None or an int >= 1")
-        if self.rank is not None and self.world_size is not None:
-            need(self.rank < self.world_size, "rank", f"expected < world_size {self.world_size}")
-
-    @classmethod
-    def from_dict(cls, info: dict) -> ShardedRDTTrainerInitInfo:
-        if info.get("backend", cls.backend) != cls.backend:
-            raise ValueError(f"init_info.backend: expected {cls.backend!r}, got {info.get('backend')!r}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(info) - fields - {"backend"})
-        if unknown:
-            raise ValueError(f"init_info: unknown field(s) {unknown} for backend 'sharded_rdt'")
-        return cls(**{k: v for k, v in info.items() if k != "backend"})
+    def check(self) -> None:
+        if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
+            raise ValueError(f".rank: expected < world_size {self.world_size}, got {self.rank}")
 
     def engine_init_info(self) -> dict:
         """What rank 0 sends to the engine's init_weight_transfer_engine (JSON)."""
@@ -146,21 +110,12 @@ class ShardedRDTTrainerInitInfo:
         }
 
 
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _timeout(v: Any) -> bool:
-    """A timeout in seconds: finite, positive and at most MAX_TIMEOUT_S (a day)."""
-    return _number(v) and 0 < v <= MAX_TIMEOUT_S
-
-
 # =======================================================================================
 # Trainer side
 # =======================================================================================
 
 
-class ShardedRDTTrainerWeightTransferEngine(TrainerWeightTransferEngine):
+class ShardedRDTTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitInfo]):
     """One trainer rank: its producer actor, and (rank 0) the engine's update lifecycle."""
 
     backend = "sharded_rdt"
@@ -175,13 +130,10 @@ class ShardedRDTTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         # Counted in lockstep on every rank (each calls send_weights once per sync). Tags live in this
         # engine's own producers, so ids never meet an older producer's.
         self._sync_id = 0
+        self._aborted_sync_id = 0  # the last sync this rank marked aborted in the producers (0: none)
 
     @classmethod
-    def trainer_init(cls, init_info, *, client, source=None) -> ShardedRDTTrainerWeightTransferEngine:
-        if isinstance(init_info, dict):
-            init_info = ShardedRDTTrainerInitInfo.from_dict(init_info)
-        if not isinstance(init_info, ShardedRDTTrainerInitInfo):
-            raise ValueError(f"init_info: expected a ShardedRDTTrainerInitInfo, got {type(init_info).__name__}")
+    def _start(cls, init_info: ShardedRDTTrainerInitInfo, *, client, source) -> ShardedRDTTrainerWeightTransferEngine:
         rank, world_size = _rank_and_world(init_info)
         args = (rank, init_info.lookahead_groups, float(init_info.timeout_s), init_info.nixl_backend,
                 init_info.producer_device)
@@ -229,23 +181,27 @@ class ShardedRDTTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         return self.producer.result(self.producer.submit("stats"), timeout=self.init_info.timeout_s)
 
     def send_weights(self, source=None, *, weight_version: str | None = None) -> SyncStats:
-        src = self._source(source)
-        metas = src.metadata
+        # Counted on every rank before anything can fail (rank 0's start_weight_update included), so
+        # that the ranks' sync ids stay in lockstep whatever became of this sync.
+        self._sync_id += 1
+        return super().send_weights(source, weight_version=weight_version)
+
+    def _send(self, source: WeightSource) -> SyncStats:
+        """Every rank's part of a sync (rank 0's between start_ and finish_weight_update): publish this rank's
+        groups, and on rank 0 post the engine's update_weights and see it answered."""
+        metas = source.metadata
         names = [m.name for m in metas]
         plan = build_plan(names, [m.dtype for m in metas], [m.shape for m in metas], group_sizes(names),
                           self.init_info.chunk_bytes)
-        self._sync_id += 1
         sync_id = self._sync_id
-        started = time.perf_counter()
         update = None
         try:
             if self.rank == 0:
                 update = self._start_sync(plan, sync_id)
-            bytes_sent = self._publish_all(src, plan, sync_id, update)
+            bytes_sent = self._publish_all(source, plan, sync_id, update)
             self._await(self.producer.submit("wait_drained", sync_id), update, "engines to read every group")
             if update is not None:
                 update.result(timeout=self.init_info.timeout_s + _MARGIN_S)
-                self.client.finish_weight_update(weight_version)
         except BaseException as e:
             engine_error = self._fail(sync_id, update)
             raise RuntimeError(
@@ -258,11 +214,16 @@ class ShardedRDTTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             num_tensors=len(names),
             bytes_sent=bytes_sent,
             dense_bytes=plan.total_bytes,
-            seconds=time.perf_counter() - started,
-            weight_version=weight_version,
             extra={"sync_id": sync_id, "num_groups": len(plan.groups),
                    "lookahead_groups": self.init_info.lookahead_groups},
         )
+
+    def _follow(self, source: WeightSource) -> SyncStats:
+        # Every rank publishes the groups it owns; only rank 0 talks to the engine.
+        started = time.perf_counter()
+        stats = self._send(source)
+        stats.seconds = time.perf_counter() - started
+        return stats
 
     def shutdown(self) -> None:
         if self.rank == 0 and self.client is not None:
@@ -279,7 +240,7 @@ class ShardedRDTTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             raise RuntimeError(f"{method}: only trainer rank 0 talks to the engine (this is rank {self.rank})")
 
     def _start_sync(self, plan: SyncPlan, sync_id: int):
-        """Rank 0: begins the sync on every producer and starts the engine's update in the background."""
+        """Rank 0: begins the sync on every producer and posts the engine's update_weights in the background."""
         num_consumers = self.client.get_world_size()
         calls = [(p, p.submit("begin_sync", sync_id, num_consumers, plan.slot_bytes)) for p in self.producers]
         descriptors = [p.result(call, timeout=self.init_info.timeout_s) for p, call in calls]
@@ -291,7 +252,6 @@ class ShardedRDTTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             "num_slots": self.init_info.lookahead_groups,
             "producers": descriptors,
         }
-        self.client.start_weight_update()
         return call_in_background(self.client.update_weights, update_info)
 
     def _publish_all(self, src: WeightSource, plan: SyncPlan, sync_id: int, update) -> int:
@@ -324,16 +284,27 @@ class ShardedRDTTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"waited {self.init_info.timeout_s + _MARGIN_S} s for {what}")
 
-    def _fail(self, sync_id: int, update) -> str | None:
-        """Best effort after a failure: mark the sync aborted, let the engine finish failing, restore its weights.
+    def _abandon_update(self, begun: bool) -> None:
+        # Rank 0's update failed, maybe before any group was published (its start_weight_update):
+        # the other ranks' publishes and the engines' polls stop now, not at their timeouts.
+        self._abort_producers(self._sync_id)
+        super()._abandon_update(begun)
 
-        Returns the engine's own error, if its update call failed too.
-        """
+    def _abort_producers(self, sync_id: int) -> None:
+        """Marks sync_id aborted in every producer this rank reaches (rank 0: all), once."""
+        if sync_id == self._aborted_sync_id:
+            return
+        self._aborted_sync_id = sync_id
         for producer in self.producers or [self.producer]:
             try:
                 producer.result(producer.submit("abort", sync_id), timeout=5)
             except Exception:  # a dead producer needs no abort: engines reading it fail by themselves
                 pass
+
+    def _fail(self, sync_id: int, update) -> str | None:
+        """Best effort after a failure: mark the sync aborted and let the engine's call finish failing
+        (rank 0 then tells it to restore its weights). Returns the engine's own error, if its call failed too."""
+        self._abort_producers(sync_id)
         if update is None:
             return None
         engine_error = None
@@ -341,10 +312,6 @@ class ShardedRDTTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             update.result(timeout=self.init_info.timeout_s + _MARGIN_S)
         except Exception as e:  # the engine failed too (it restored and ended the update itself)
             engine_error = f"{type(e).__name__}: {e}"
-        try:
-            self.client.abort_weight_update()  # covers an engine that received everything before we failed
-        except Exception:
-            pass
         return engine_error
 
 
@@ -467,36 +434,66 @@ def _pack_group(
 # =======================================================================================
 
 
-@dataclass(frozen=True)
-class _EngineConfig:
-    timeout_s: float
-    num_recv_buffers: int
-    nixl_backend: str
+class ShardedRDTInitInfo(InitInfo):
+    """init_info of an engine worker's consumer (ShardedRDTTrainerInitInfo.engine_init_info)."""
+
+    timeout_s: TimeoutS = 120.0
+    num_recv_buffers: int_in(1, _MAX_RECV_BUFFERS) = 2
+    nixl_backend: NonEmptyStr = "UCX"
 
 
-@dataclass(frozen=True)
-class _Producer:
-    rank: int
-    agent_name: str
-    metadata: bytes
-    mem_type: str
-    device_id: int
-    slots: tuple[tuple[int, int], ...]  # (address, nbytes)
-    status: tuple[int, int]
+Region = tuple[NonNegInt, NonNegInt]  # [address, nbytes] in a producer's memory
 
 
-_INIT_FIELDS = {"backend", "timeout_s", "num_recv_buffers", "nixl_backend"}
-_UPDATE_FIELDS = {"sync_id", "names", "dtypes", "shapes", "group_sizes", "chunk_bytes", "num_slots", "producers"}
-_PRODUCER_FIELDS = {"rank", "agent_name", "agent_metadata_b64", "mem_type", "device_id", "slots", "status"}
+class ProducerInfo(Message):
+    """One trainer rank's producer as its begin_sync describes it (weight_transfer/rdt_producer.py)."""
+
+    rank: NonNegInt
+    agent_name: NonEmptyStr
+    metadata: Annotated[bytes, msgspec.Meta(min_length=1)] = msgspec.field(name="agent_metadata_b64")
+    mem_type: Literal["DRAM", "VRAM"]
+    device_id: NonNegInt
+    slots: list[Region]
+    status: Region  # its status words: int64 [1 + num_slots]
 
 
-class ShardedRDTWeightTransferEngine(WeightTransferEngine):
+class ShardedRDTUpdateInfo(TensorList):
+    """update_info: the sync's tensors, their layout (group sizes, chunk bytes) and every producer holding them."""
+
+    sync_id: int_in(0, (1 << 38) - 1)  # a producer's tags keep 2**24 groups below it in an int64
+    group_sizes: Annotated[list[int_in(1)], msgspec.Meta(max_length=GROUP_LIMIT - 1)]
+    chunk_bytes: int_in(256)
+    num_slots: int_in(1)
+    producers: Annotated[list[ProducerInfo], msgspec.Meta(min_length=1)]  # in rank order
+
+    def check(self) -> None:
+        super().check()
+        if sum(self.group_sizes) != len(self.names):
+            raise ValueError(f".group_sizes: expected positive ints adding to {len(self.names)}, got {self.group_sizes}")
+        for i, producer in enumerate(self.producers):
+            where = f".producers[{i}]"
+            if producer.rank != i:
+                raise ValueError(f"{where}.rank: expected {i} (producers in rank order), got {producer.rank}")
+            if len(producer.slots) != self.num_slots:
+                raise ValueError(f"{where}.slots: expected {self.num_slots} [address, nbytes] pairs, got {producer.slots}")
+            if producer.status[1] != 8 * (1 + self.num_slots):
+                raise ValueError(f"{where}.status: expected [address, {8 * (1 + self.num_slots)}], got {list(producer.status)}")
+
+
+@dataclass(kw_only=True)
+class ShardedRDTWeightUpdate(WeightUpdateInfo):
+    plan: SyncPlan
+    sync_id: int
+    producers: list[ProducerInfo]
+
+
+class ShardedRDTWeightTransferEngine(WeightTransferEngine[ShardedRDTInitInfo, ShardedRDTUpdateInfo]):
     """One engine worker's consumer: a NIXL agent, a ring of receive buffers, and the baked consumed ranges."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.model: nn.Module | None = None
-        self.config: _EngineConfig | None = None
+        self.config: ShardedRDTInitInfo | None = None
         self.agent = None
         self._peers: dict[str, bytes] = {}  # remote agent name -> the metadata loaded for it
         self._recv: list[torch.Tensor] = []
@@ -514,65 +511,28 @@ class ShardedRDTWeightTransferEngine(WeightTransferEngine):
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
-    def parse_init_info(self, init_info: dict) -> _EngineConfig:
-        if not isinstance(init_info, dict):
-            raise ValueError(f"init_info: expected a dict, got {type(init_info).__name__}")
-        unknown = sorted(set(init_info) - _INIT_FIELDS)
-        if unknown:
-            raise ValueError(f"init_info: unknown field(s) {unknown} for backend 'sharded_rdt'")
-        timeout_s = check_timeout_s(init_info.get("timeout_s", 120.0), "init_info.timeout_s")
-        num_recv_buffers = init_info.get("num_recv_buffers", 2)
-        if not (_nonneg_int(num_recv_buffers) and 1 <= num_recv_buffers <= _MAX_RECV_BUFFERS):
-            raise ValueError(f"init_info.num_recv_buffers: expected an int in [1, {_MAX_RECV_BUFFERS}], "
-                             f"got {num_recv_buffers!r}")
-        nixl_backend = init_info.get("nixl_backend", "UCX")
-        if not isinstance(nixl_backend, str) or not nixl_backend:
-            raise ValueError(f"init_info.nixl_backend: expected a backend name, got {nixl_backend!r}")
-        return _EngineConfig(float(timeout_s), num_recv_buffers, nixl_backend)
-
-    def rendezvous(self, init_info: _EngineConfig) -> Rendezvous:
+    def rendezvous(self, init_info: ShardedRDTInitInfo) -> Rendezvous:
         # init makes a local NIXL agent and connects nowhere: the producers' agents (and the
         # addresses in their metadata) arrive with each update_info, not in init_info.
         return Rendezvous(init_info.timeout_s, "the local NIXL agent")
 
-    def init_transfer(self, init_info: _EngineConfig) -> None:
+    def init_transfer(self, init_info: ShardedRDTInitInfo) -> None:
         self.config = init_info
         self.agent = make_agent(f"rdt-consumer-{uuid.uuid4().hex[:12]}", init_info.nixl_backend)
 
-    def parse_update_info(self, update_info: dict) -> WeightUpdateInfo:
-        if not isinstance(update_info, dict):
-            raise ValueError(f"update_info: expected a dict, got {type(update_info).__name__}")
-        unknown = sorted(set(update_info) - _UPDATE_FIELDS)
-        missing = sorted(_UPDATE_FIELDS - set(update_info))
-        if unknown or missing:
-            raise ValueError(
-                f"update_info: unknown field(s) {unknown}, missing field(s) {missing} for backend 'sharded_rdt'"
-            )
-        sync_id = update_info["sync_id"]
-        if not _nonneg_int(sync_id) or sync_id >= 1 << 38:
-            raise ValueError(f"update_info.sync_id: expected an int in [0, 2**38), got {sync_id!r}")
-        names, dtypes, shapes = parse_tensor_list(update_info)
-        sizes = update_info["group_sizes"]
-        if not (isinstance(sizes, list) and all(_nonneg_int(s) and s > 0 for s in sizes) and sum(sizes) == len(names)):
-            raise ValueError(f"update_info.group_sizes: expected positive ints adding to {len(names)}, got {sizes!r}")
-        if len(sizes) >= GROUP_LIMIT:
-            raise ValueError(f"update_info.group_sizes: {len(sizes)} groups; at most {GROUP_LIMIT - 1}")
-        chunk_bytes = update_info["chunk_bytes"]
-        if not (_nonneg_int(chunk_bytes) and chunk_bytes >= 256):
-            raise ValueError(f"update_info.chunk_bytes: expected an int >= 256, got {chunk_bytes!r}")
-        num_slots = update_info["num_slots"]
-        if not (_nonneg_int(num_slots) and num_slots >= 1):
-            raise ValueError(f"update_info.num_slots: expected an int >= 1, got {num_slots!r}")
-        plan = build_plan(names, dtypes, shapes, sizes, chunk_bytes)
-        producers = _parse_producers(update_info["producers"], num_slots, plan.slot_bytes)
-        return WeightUpdateInfo(names, dtypes, shapes, extra={"plan": plan, "sync_id": sync_id, "producers": producers})
+    def plan_update(self, update_info: ShardedRDTUpdateInfo) -> ShardedRDTWeightUpdate:
+        u = update_info
+        plan = build_plan(u.names, u.dtypes, u.shapes, u.group_sizes, u.chunk_bytes)
+        for i, producer in enumerate(u.producers):
+            if any(n < plan.slot_bytes for _, n in producer.slots):
+                raise ValueError(f"update_info.producers[{i}].slots: slots of {[n for _, n in producer.slots]} bytes "
+                                 f"cannot hold {plan.slot_bytes} bytes")
+        return ShardedRDTWeightUpdate(u.names, u.dtypes, u.shapes, plan=plan, sync_id=u.sync_id, producers=u.producers)
 
-    def receive_weights(self, info: WeightUpdateInfo) -> Iterator[tuple[str, torch.Tensor]]:
+    def receive_weights(self, info: ShardedRDTWeightUpdate) -> Iterator[tuple[str, torch.Tensor]]:
         if self.agent is None or self.config is None:
             raise RuntimeError("sharded_rdt: receive_weights before init_transfer")
-        plan: SyncPlan = info.extra["plan"]
-        producers: list[_Producer] = info.extra["producers"]
-        return self._replay(plan, info.extra["sync_id"], producers, self._consumed(plan))
+        return self._replay(info.plan, info.sync_id, info.producers, self._consumed(info.plan))
 
     def shutdown(self) -> None:
         if self.agent is None:
@@ -603,7 +563,7 @@ class ShardedRDTWeightTransferEngine(WeightTransferEngine):
     # ---- REPLAY --------------------------------------------------------------------------------
 
     def _replay(
-        self, plan: SyncPlan, sync_id: int, producers: list[_Producer], consumed: dict[str, ByteRanges]
+        self, plan: SyncPlan, sync_id: int, producers: list[ProducerInfo], consumed: dict[str, ByteRanges]
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Reads pack k into receive buffer k % R while earlier packs land; yields views into the buffers.
 
@@ -658,7 +618,7 @@ class ShardedRDTWeightTransferEngine(WeightTransferEngine):
             for read in pending.values():
                 _release(read.handle)
 
-    def _read_pack(self, plan: SyncPlan, g: int, p: int, num_ranks: int, producer: _Producer, buffer: torch.Tensor,
+    def _read_pack(self, plan: SyncPlan, g: int, p: int, num_ranks: int, producer: ProducerInfo, buffer: torch.Tensor,
                    consumed: dict[str, ByteRanges]):
         """Posts one NIXL READ of a pack's consumed byte ranges into `buffer`; None when nothing is consumed."""
         group = plan.groups[g]
@@ -705,7 +665,7 @@ class ShardedRDTWeightTransferEngine(WeightTransferEngine):
             raise RuntimeError(f"sharded_rdt: READ of {what} failed ({state})")
 
     def _published(
-        self, plan: SyncPlan, g: int, sync_id: int, num_ranks: int, producer: _Producer, block: bool
+        self, plan: SyncPlan, g: int, sync_id: int, num_ranks: int, producer: ProducerInfo, block: bool
     ) -> bool:
         """Whether group g of this sync is in its producer slot; with block, polls until it is (or abort, timeout)."""
         status = self._status[producer.rank]
@@ -730,7 +690,7 @@ class ShardedRDTWeightTransferEngine(WeightTransferEngine):
             time.sleep(pause)
             pause = min(pause * 2, 2e-3)
 
-    def _post(self, local: list, local_mem: str, remote: list, remote_mem: str, producer: _Producer, what: str):
+    def _post(self, local: list, local_mem: str, remote: list, remote_mem: str, producer: ProducerInfo, what: str):
         """Posts a NIXL READ of remote (address, nbytes, device) regions into local ones; returns its handle."""
         try:
             handle = self.agent.initialize_xfer(
@@ -747,7 +707,7 @@ class ShardedRDTWeightTransferEngine(WeightTransferEngine):
 
     # ---- connections and buffers ---------------------------------------------------------------
 
-    def _connect(self, producers: list[_Producer]) -> None:
+    def _connect(self, producers: list[ProducerInfo]) -> None:
         """Loads each producer's metadata (again when it changed: a restarted producer or re-registered slots)."""
         current = {p.agent_name for p in producers}
         for name in [n for n in self._peers if n not in current]:
@@ -799,11 +759,6 @@ class _Read:
             engine._wait_read(self.handle, self.what)
 
 
-def _nonneg_int(v: Any) -> bool:
-    """An int (not a bool) in [0, 2**63): no larger value reaches torch or NIXL."""
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= INT64_MAX
-
-
 def _zero(buffer: torch.Tensor, slot: PackSlot) -> None:
     buffer[slot.offset : slot.offset + slot.nbytes].zero_()
 
@@ -815,45 +770,3 @@ def _release(handle) -> None:
         handle.release()
     except Exception:  # releasing a transfer still in flight aborts it; nothing more to do
         pass
-
-
-def _parse_producers(value: Any, num_slots: int, slot_bytes: int) -> list[_Producer]:
-    if not isinstance(value, list) or not value:
-        raise ValueError(f"update_info.producers: expected a non-empty list, got {type(value).__name__}")
-    producers = []
-    for i, entry in enumerate(value):
-        where = f"update_info.producers[{i}]"
-        if not isinstance(entry, dict):
-            raise ValueError(f"{where}: expected a dict, got {type(entry).__name__}")
-        unknown, missing = sorted(set(entry) - _PRODUCER_FIELDS), sorted(_PRODUCER_FIELDS - set(entry))
-        if unknown or missing:
-            raise ValueError(f"{where}: unknown field(s) {unknown}, missing field(s) {missing}")
-        if entry["rank"] != i:
-            raise ValueError(f"{where}.rank: expected {i} (producers in rank order), got {entry['rank']!r}")
-        if not isinstance(entry["agent_name"], str) or not entry["agent_name"]:
-            raise ValueError(f"{where}.agent_name: expected a non-empty string, got {entry['agent_name']!r}")
-        try:
-            metadata = base64.b64decode(entry["agent_metadata_b64"], validate=True)
-        except (binascii.Error, TypeError, ValueError) as e:
-            raise ValueError(f"{where}.agent_metadata_b64: not valid base64: {e}") from None
-        if not metadata:
-            raise ValueError(f"{where}.agent_metadata_b64: empty")
-        if entry["mem_type"] not in ("DRAM", "VRAM"):
-            raise ValueError(f"{where}.mem_type: expected 'DRAM' or 'VRAM', got {entry['mem_type']!r}")
-        if not _nonneg_int(entry["device_id"]):
-            raise ValueError(f"{where}.device_id: expected an int >= 0, got {entry['device_id']!r}")
-        slots = entry["slots"]
-        if not (isinstance(slots, list) and len(slots) == num_slots and all(_region(s) for s in slots)):
-            raise ValueError(f"{where}.slots: expected {num_slots} [address, nbytes] pairs, got {slots!r}")
-        if any(n < slot_bytes for _, n in slots):
-            raise ValueError(f"{where}.slots: slots of {[n for _, n in slots]} bytes cannot hold {slot_bytes} bytes")
-        status = entry["status"]
-        if not (_region(status) and status[1] == 8 * (1 + num_slots)):
-            raise ValueError(f"{where}.status: expected [address, {8 * (1 + num_slots)}], got {status!r}")
-        producers.append(_Producer(i, entry["agent_name"], metadata, entry["mem_type"], entry["device_id"],
-                                   tuple((a, n) for a, n in slots), (status[0], status[1])))
-    return producers
-
-
-def _region(value: Any) -> bool:
-    return isinstance(value, (list, tuple)) and len(value) == 2 and all(_nonneg_int(v) for v in value)

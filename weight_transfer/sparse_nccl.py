@@ -1,7 +1,7 @@
 """The "sparse_nccl" backend: the nccl transport carrying coordinate patches (SparseWeightPatch) beside dense tensors.
 
 init_info: as for "nccl" (weight_transfer/nccl.py), with "backend": "sparse_nccl".
-update_info (JSON): {"names", "dtypes", "shapes", "call_id"} as for "nccl", plus
+update_info (SparseNCCLUpdateInfo, JSON): {"names", "dtypes", "shapes", "call_id"} as for "nccl", plus
     "nnz": [int | null, ...]   per tensor: the number of changed coordinates of a patch, or
                                null for a dense tensor. dtypes and shapes are the full tensor's.
 
@@ -23,21 +23,22 @@ sends patches only where they are cheaper, and the engine ends bit-identical to 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from weight_transfer.base import ParamMeta, SparseWeightPatch, SyncStats, WeightUpdateInfo
+from weight_transfer.base import ParamMeta, SparseWeightPatch, SyncStats, WeightSource
 from weight_transfer.delta import MAX_PATCH_NUMEL, DeltaTracker, patch_nbytes
+from weight_transfer.messages import Fraction, int_in
 from weight_transfer.nccl import (
     NCCLTrainerInitInfo,
     NCCLTrainerWeightTransferEngine,
+    NCCLUpdateInfo,
     NCCLWeightTransferEngine,
+    NCCLWeightUpdate,
     _in_metadata_order,
-    _int_field,
 )
 from weight_transfer.packing import dtype_name, tensor_list
 from weight_transfer.process_group import WireSpec
@@ -69,49 +70,61 @@ def sparse_wire_specs(
 # =======================================================================================
 
 
-class SparseNCCLWeightTransferEngine(NCCLWeightTransferEngine):
-    """Receives patches and dense tensors; yields SparseWeightPatch objects for the patches."""
+class SparseNCCLUpdateInfo(NCCLUpdateInfo):
+    """nccl's update_info plus, per tensor, the number of changed coordinates of its patch (None: dense)."""
 
-    backend_name = "sparse_nccl"
-    _update_fields = ("names", "dtypes", "shapes", "call_id", "nnz")
+    # Any 64-bit int here: its range, [0, the tensor's numel], depends on the tensor (check).
+    nnz: list[int_in() | None]
 
-    def _parse_update_fields(self, update_info: dict) -> WeightUpdateInfo:
-        info = super()._parse_update_fields(update_info)
-        nnz = update_info.get("nnz")
-        if not isinstance(nnz, list) or len(nnz) != len(info.names):
+    def check(self) -> None:
+        super().check()
+        if len(self.nnz) != len(self.names):
             raise ValueError(
-                "update_info.nnz: expected a list with one entry per tensor (an int for a patch, null for a "
-                f"dense tensor), got {type(nnz).__name__} of length {len(nnz) if isinstance(nnz, list) else '-'}"
+                ".nnz: expected a list with one entry per tensor (an int for a patch, null for a "
+                f"dense tensor), got {len(self.nnz)} entries for {len(self.names)} tensors"
             )
-        for i, (name, dtype, shape, n) in enumerate(zip(info.names, info.dtypes, info.shapes, nnz)):
+        for i, (name, dtype, shape, n) in enumerate(zip(self.names, self.dtypes, self.shapes, self.nnz)):
             if n is None:
                 continue
-            where = f"update_info.nnz[{i}] ({name!r})"
+            where = f".nnz[{i}] ({name!r})"
             numel = math.prod(shape)
-            _int_field(n, where, 0, numel)
+            if not 0 <= n <= numel:
+                raise ValueError(f"{where}: {n} is out of range (must be in [0, {numel}], the tensor's elements)")
             if not dtype.is_floating_point:
                 raise ValueError(f"{where}: a patch needs a floating-point dtype, the tensor is {dtype_name(dtype)}")
             if numel > MAX_PATCH_NUMEL:
                 raise ValueError(f"{where}: {numel} elements are more than int32 patch indices address; send it dense")
-        info.extra["nnz"] = nnz
-        return info
 
-    def receive_weights(self, info: WeightUpdateInfo) -> Iterator[tuple[str, Entry]]:
-        nnz = info.extra["nnz"]
-        stream = self._receive(info.extra["call_id"], sparse_wire_specs(info.names, info.dtypes, info.shapes, nnz))
+
+@dataclass(kw_only=True)
+class SparseNCCLWeightUpdate(NCCLWeightUpdate):
+    nnz: list[int | None]  # per tensor: a patch's changed coordinates, or None for a dense tensor
+
+
+class SparseNCCLWeightTransferEngine(NCCLWeightTransferEngine):
+    """Receives patches and dense tensors; yields SparseWeightPatch objects for the patches."""
+
+    update_info_type = SparseNCCLUpdateInfo
+
+    def plan_update(self, update_info: SparseNCCLUpdateInfo) -> SparseNCCLWeightUpdate:
+        self._require_group()
+        return SparseNCCLWeightUpdate(update_info.names, update_info.dtypes, update_info.shapes,
+                                      call_id=update_info.call_id, nnz=update_info.nnz)
+
+    def receive_weights(self, info: SparseNCCLWeightUpdate) -> Iterator[tuple[str, Entry]]:
+        stream = self._receive(info.call_id, sparse_wire_specs(info.names, info.dtypes, info.shapes, info.nnz))
         try:
-            patches = _take_patches(info, nnz, stream)  # every patch checked before anything is yielded
-            for name, n in zip(info.names, nnz):
+            patches = _take_patches(info, stream)  # every patch checked before anything is yielded
+            for name, n in zip(info.names, info.nnz):
                 yield name, (next(stream) if n is None else patches[name])
             next(stream, None)  # runs the stream to its end (marks the call complete)
         finally:
             stream.close()  # after a failure or an early stop: aborts the group
 
 
-def _take_patches(
-    info: WeightUpdateInfo, nnz: Sequence[int | None], stream: Iterator[torch.Tensor]
-) -> dict[str, SparseWeightPatch]:
+def _take_patches(info: SparseNCCLWeightUpdate, stream: Iterator[torch.Tensor]) -> dict[str, SparseWeightPatch]:
     """Reads the patch section off the stream (copied out: its buffer is reused) and validates each patch."""
+    nnz = info.nnz
     if all(n is None for n in nnz):
         return {}
     indices = next(stream).clone()
@@ -137,18 +150,20 @@ def _take_patches(
 # =======================================================================================
 
 
-@dataclass(frozen=True)
 class SparseNCCLTrainerInitInfo(NCCLTrainerInitInfo):
     """NCCLTrainerInitInfo plus the delta tracker's settings (trainer-only: the engine never sees them)."""
 
     backend: ClassVar[str] = "sparse_nccl"
 
-    max_changed_fraction: float = 0.25  # a tensor with more changed coordinates than this goes dense
+    max_changed_fraction: Fraction = 0.25  # a tensor with more changed coordinates than this goes dense
     snapshot_device: str = "cpu"  # where the tracker keeps the last-synced copy of every tensor
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        DeltaTracker(self.max_changed_fraction, self.snapshot_device)  # validates both fields
+    def check(self) -> None:
+        super().check()
+        try:
+            DeltaTracker(self.max_changed_fraction, self.snapshot_device)  # a torch device? (its message names the field)
+        except ValueError as e:
+            raise ValueError(f".{e}") from None
 
 
 def _entry_meta(name: str, entry: Entry) -> tuple[torch.dtype, tuple[int, ...], int | None]:
@@ -169,27 +184,25 @@ class SparseNCCLTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
     """Sends what changed since the last successful sync: patches where cheaper, dense tensors elsewhere."""
 
     backend = "sparse_nccl"
-    init_info_type: ClassVar[type] = SparseNCCLTrainerInitInfo
+    init_info_type = SparseNCCLTrainerInitInfo
 
     def __init__(self, init_info: SparseNCCLTrainerInitInfo, client, source, rank: int) -> None:
         super().__init__(init_info, client, source, rank)
         self.tracker = DeltaTracker(init_info.max_changed_fraction, init_info.snapshot_device)
 
     def send_weights(self, source=None, *, weight_version: str | None = None) -> SyncStats:
-        src = self._source(source)
-        if self.rank != 0:
-            return self._follow(src, weight_version)
-        start = time.perf_counter()
-        metas = src.metadata
         try:
-            # A patch is only chosen when cheaper than dense, so dense bytes bound each entry.
-            stats = self._send_entries(self._diffs(metas, src.iter_full()), [m.nbytes for m in metas], weight_version)
+            stats = super().send_weights(source, weight_version=weight_version)
         except BaseException:
             self.tracker.discard()  # the engine kept its weights: diff against them next time
             raise
-        self.tracker.commit()
-        stats.seconds = time.perf_counter() - start
+        self.tracker.commit()  # the engine holds what was sent
         return stats
+
+    def _send(self, source: WeightSource) -> SyncStats:
+        metas = source.metadata
+        # A patch is only chosen when cheaper than dense, so dense bytes bound each entry.
+        return self._send_entries(self._diffs(metas, source.iter_full()), [m.nbytes for m in metas])
 
     def send_patches(self, pairs: Iterable[tuple[str, Entry]], *, weight_version: str | None = None) -> SyncStats:
         """Sends (hf_name, tensor or SparseWeightPatch) pairs made by the caller, as one update (rank 0 only).
@@ -207,11 +220,8 @@ class SparseNCCLTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
                     raise ValueError(f"{name!r}: the patch is named {entry.name!r}")
                 entry.validate()
         self.tracker.reset()
-        start = time.perf_counter()
         bounds = [_wire_nbytes(*_entry_meta(name, entry)) for name, entry in pairs]
-        stats = self._send_entries(iter(pairs), bounds, weight_version)
-        stats.seconds = time.perf_counter() - start
-        return stats
+        return self._update(lambda: self._send_entries(iter(pairs), bounds), weight_version)
 
     def _diffs(self, metas: Sequence[ParamMeta], pairs) -> Iterator[tuple[str, Entry]]:
         tensors = _in_metadata_order(metas, pairs)
@@ -219,17 +229,15 @@ class SparseNCCLTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
             yield meta.name, self.tracker.diff(meta.name, next(tensors))
         next(tensors, None)  # lets the source check that it has nothing left
 
-    def _send_entries(
-        self, entries: Iterator[tuple[str, Entry]], bounds: Sequence[int], weight_version: str | None
-    ) -> SyncStats:
-        """One update, batched into update_weights calls of at most one pack buffer of wire bytes each.
+    def _send_entries(self, entries: Iterator[tuple[str, Entry]], bounds: Sequence[int]) -> SyncStats:
+        """An update's entries, batched into update_weights calls of at most one pack buffer of wire bytes each.
 
         bounds[i] bounds entry i's wire bytes before it is produced, so a call goes out before
         producing (for a sharded source: gathering) an entry that would not fit: the trainer holds
         at most one buffer's worth (or one larger tensor), and the engine's copy of a call's
         patches stays as small.
         """
-        stats = SyncStats(self.backend, weight_version=weight_version)
+        stats = SyncStats(self.backend)
         stats.extra.update(num_patches=0, num_dense=0, num_calls=0)
 
         def flush(chunk: list[tuple[str, Entry]]) -> None:
@@ -237,25 +245,22 @@ class SparseNCCLTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
             stats.extra["num_calls"] += 1
             chunk.clear()
 
-        def body() -> None:
-            chunk: list[tuple[str, Entry]] = []
-            chunk_bytes = 0
-            for bound in bounds:
-                if chunk and chunk_bytes + bound > self.settings.buffer_size:
-                    flush(chunk)
-                    chunk_bytes = 0
-                name, entry = next(entries)
-                dtype, shape, nnz = _entry_meta(name, entry)
-                stats.num_tensors += 1
-                stats.dense_bytes += _wire_nbytes(dtype, shape, None)
-                stats.extra["num_dense" if nnz is None else "num_patches"] += 1
-                chunk.append((name, entry))
-                chunk_bytes += _wire_nbytes(dtype, shape, nnz)
-            if chunk:
+        chunk: list[tuple[str, Entry]] = []
+        chunk_bytes = 0
+        for bound in bounds:
+            if chunk and chunk_bytes + bound > self.settings.buffer_size:
                 flush(chunk)
-            next(entries, None)  # lets the source check that it has nothing left
-
-        self._run_update(body, weight_version)
+                chunk_bytes = 0
+            name, entry = next(entries)
+            dtype, shape, nnz = _entry_meta(name, entry)
+            stats.num_tensors += 1
+            stats.dense_bytes += _wire_nbytes(dtype, shape, None)
+            stats.extra["num_dense" if nnz is None else "num_patches"] += 1
+            chunk.append((name, entry))
+            chunk_bytes += _wire_nbytes(dtype, shape, nnz)
+        if chunk:
+            flush(chunk)
+        next(entries, None)  # lets the source check that it has nothing left
         return stats
 
     def _send_chunk(self, chunk: list[tuple[str, Entry]]) -> int:

@@ -57,13 +57,18 @@ def test_tensor_and_numpy_forms(backend):
         ({"weights": {"x": [1.0, 2.0]}}, r"update_info.weights\['x'\]: expected a torch.Tensor or numpy.ndarray"),
         ({"weights": [{"name": "x", "dtype": "float32", "shape": [2]}]}, r"missing field\(s\) \['data_b64'\]"),
         ({"weights": [{"name": "x", "dtype": "floaty", "shape": [2], "data_b64": ""}]}, "'floaty' is not a torch dtype"),
-        ({"weights": [{"name": "x", "dtype": "float32", "shape": [-1], "data_b64": ""}]}, "shape: expected a list"),
+        ({"weights": [{"name": "x", "dtype": "float32", "shape": [-1], "data_b64": ""}]},
+         r"update_info\.weights\[0\]\.shape\[0\]: expected `int` >= 0"),
         ({"weights": [{"name": "x", "dtype": "float32", "shape": [2], "data_b64": "@@@"}]}, "not valid base64"),
         (
             {"weights": [{"name": "x", "dtype": "float32", "shape": [3], "data_b64": base64.b64encode(b"\0" * 8).decode()}]},
             r"8 bytes, but shape \[3\] of float32 needs 12",
         ),
-        ({"weights": [{"name": "", "dtype": "float32", "shape": [0], "data_b64": ""}]}, "non-empty strings"),
+        ({"weights": [{"name": "", "dtype": "float32", "shape": [0], "data_b64": ""}]},
+         r"update_info\.weights\[0\]\.name: expected `str` of length >= 1"),
+        ({"weights": {"": torch.ones(1)}}, r"update_info\.weights \(a key\): expected `str` of length >= 1"),
+        ({"weights": [{"name": "x", "dtype": "float32", "shape": [2**63], "data_b64": ""}]},
+         r"update_info\.weights\[0\]\.shape\[0\]: expected `int` <= 9223372036854775807"),
     ],
 )
 def test_bad_update_info_names_the_field(backend, update_info, message):

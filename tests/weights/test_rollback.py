@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -9,9 +11,10 @@ from engine import LLM
 from engine.core.scheduler import PauseState
 from engine.exceptions import WeightTransferError
 from engine.wire import EngineCoreRequest
-from weight_transfer.base import SparseWeightPatch, WeightTransferEngine, WeightUpdateInfo, register_engine_backend
+from weight_transfer.base import InitInfo, SparseWeightPatch, WeightTransferEngine, WeightUpdateInfo, register_engine_backend
 from weight_transfer.checksums import hf_state_checksums
 from weight_transfer.local import make_update_info
+from weight_transfer.messages import Message, NonNegInt
 
 from weight_helpers import PROMPTS, engine_greedy, hf_greedy, hf_model, read_state
 
@@ -19,28 +22,34 @@ from weight_helpers import PROMPTS, engine_greedy, hf_greedy, hf_model, read_sta
 _DELIVERIES: dict[str, torch.Tensor | SparseWeightPatch] = {}
 
 
-class ScriptedBackend(WeightTransferEngine):
+class ScriptedUpdateInfo(Message):
+    names: list[str]
+    fail_at: NonNegInt | None = None  # the index of the tensor at which the peer dies
+
+
+@dataclass(kw_only=True)
+class ScriptedUpdate(WeightUpdateInfo):
+    fail_at: int | None
+
+
+class ScriptedBackend(WeightTransferEngine[InitInfo, ScriptedUpdateInfo]):
     """Yields the announced names from _DELIVERIES and raises ConnectionError at `fail_at` (a dead peer)."""
 
-    def parse_init_info(self, init_info: dict) -> dict:
-        return init_info
-
-    def init_transfer(self, init_info: dict) -> None:
+    def init_transfer(self, init_info: InitInfo) -> None:
         self.aborted = 0
 
-    def parse_update_info(self, update_info: dict) -> WeightUpdateInfo:
-        names = update_info["names"]
-        items = [_DELIVERIES[n] for n in names]
-        return WeightUpdateInfo(
-            names=names,
+    def plan_update(self, update_info: ScriptedUpdateInfo) -> ScriptedUpdate:
+        items = [_DELIVERIES[n] for n in update_info.names]
+        return ScriptedUpdate(
+            names=update_info.names,
             dtypes=[i.values.dtype if isinstance(i, SparseWeightPatch) else i.dtype for i in items],
             shapes=[tuple(i.full_shape) if isinstance(i, SparseWeightPatch) else tuple(i.shape) for i in items],
-            extra={"fail_at": update_info.get("fail_at")},
+            fail_at=update_info.fail_at,
         )
 
-    def receive_weights(self, info: WeightUpdateInfo):
+    def receive_weights(self, info: ScriptedUpdate):
         for i, name in enumerate(info.names):
-            if i == info.extra["fail_at"]:
+            if i == info.fail_at:
                 raise ConnectionError("peer closed the connection")
             yield name, _DELIVERIES[name]
 
