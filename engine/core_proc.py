@@ -175,10 +175,10 @@ class EngineCoreProc:
                 # A worker that dies while the engine idles ends it here, within one idle wait
                 # (_IDLE_WAIT_S); mid-step, the executor's own wait sees it.
                 self.engine_core.executor.check_alive()
-                self._process_input_queue()
+                self._process_input_queue()  # requests, aborts and control calls: all between two steps
                 self.engine_core.expire_idle_weight_update()
                 if self.running and self.engine_core.has_unfinished_requests():
-                    self._step()
+                    self._step()  # schedule -> execute -> update; the outputs go to the output thread
             except Exception as e:
                 self._on_fault(e)  # returns once recovered; raises when the engine must exit
 

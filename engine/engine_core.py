@@ -2,33 +2,42 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.config import EngineConfig
-from engine.control import (
-    MEMORY_TAGS,
-    PauseState,
-    check_pause_mode,
-    check_sleep_level,
-    check_wake_up_tags,
-    tags_put_to_sleep,
-)
+from engine.control import MEMORY_TAGS
+from engine.control_state import ControlState
 from engine.core.request import Request, RequestStatus
 from engine.core.sched_output import SchedulerOutput
 from engine.core.scheduler import Scheduler
 from engine.core.stats import SchedulerStats
 from engine.deferred import DeferredResult
-from engine.exceptions import EngineNotReadyError, WeightTransferError, WeightUpdateStateError
+from engine.exceptions import EngineNotReadyError, WeightTransferError
 from engine.executor import Executor, WorkerDiedError, get_executor_class
 from engine.executor.base import OUTPUT_RANK, check_rank_baseline, combine_rank_dicts
 from engine.wire import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from engine.worker.worker import Worker  # the executor's rpc names worker methods by reference
 
 logger = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable)
+
+
+def between_steps(method: F) -> F:
+    """Marks a control that changes what steps run or with which weights: it first collects the step in flight
+    (drain), so it sees the engine with no step half done, as in synchronous scheduling."""
+
+    @functools.wraps(method)
+    def drained(self: EngineCore, *args, **kwargs):
+        self.drain()
+        return method(self, *args, **kwargs)
+
+    return drained  # type: ignore[return-value]
 
 
 class EngineCore:
@@ -51,21 +60,13 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()  # no worker processes outlive a failed start
             raise
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, self.num_blocks,
-                                   config.speculative.settings)
+        # The RL control plane's state (pause, sleep, weight updates, transfer init); the scheduler
+        # reads its pause state from it.
+        self.control = ControlState(config.fault_tolerance.weight_update_idle_timeout_s)
+        self.scheduler = self._new_scheduler()
         self._fault_pending = False  # tests only: inject_fault() makes the next step raise
-        # RL control plane (see "pause / sleep" below); the scheduler holds the resulting PauseState.
-        self._pause_mode: str | None = None  # a PauseMode while paused
-        self._asleep: set[str] = set()  # WakeUpTags still asleep
-        self._sleep_level = 0  # the level of the last sleep(), meaningful while _asleep
         # ABORT outputs of requests ended by pause("abort") or sleep(); the next step() emits them.
         self._pending_outputs: list[EngineCoreOutput] = []
-        # Nothing is scheduled while a weight update is in progress, or while the weights are a
-        # mix left by a failed transfer that could not roll back: no step ever sees half an update.
-        self._weight_update_active = False
-        self._weights_consistent = True
-        self._last_weight_call = 0.0  # time.monotonic() at the end of the last start/update call
-        self._init_pending = False  # an init_weight_transfer_engine's rendezvous runs (begin_weight_transfer_init)
         # Whether the checkpoint's weights serve (no update finished since they were loaded), and their
         # version: what weight_version returns to when sleep(2) -> wake_up re-reads the checkpoint.
         self._serving_checkpoint = True
@@ -91,6 +92,10 @@ class EngineCore:
         gc.collect()
         gc.freeze()
 
+    def _new_scheduler(self) -> Scheduler:
+        return Scheduler(self.config.scheduler, self.config.cache, self.max_model_len, self.num_blocks,
+                         self.config.speculative.settings, control=self.control)
+
     def add_request(self, request: EngineCoreRequest) -> None:
         """Admits a request, or raises ValueError naming what is wrong and changes nothing.
 
@@ -99,7 +104,7 @@ class EngineCore:
         (an EngineDeadError) once a worker is gone.
         """
         self.executor.check_alive()  # a dead worker: EngineDeadError (WorkerDiedError) for every new request
-        if self._asleep:
+        if self.control.sleeping:
             raise EngineNotReadyError("the engine is asleep: no requests until wake_up()", reason="sleeping")
         validate_request(request, self.max_model_len, self.vocab_size, self.has_routed_experts)
         self.scheduler.add_request(Request.from_engine_core_request(request))
@@ -118,7 +123,7 @@ class EngineCore:
                 or self._can_schedule())
 
     def _can_schedule(self) -> bool:
-        return self.scheduler.has_unfinished_requests() and self.scheduler.pause_state != PauseState.PAUSED_ALL
+        return self.control.may_schedule and self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
         """Schedules and runs one step and returns the outputs of a finished one.
@@ -134,38 +139,48 @@ class EngineCore:
         self.last_step_ran_model = False
         if self._drained is not None:  # a drained step's outputs go out on their own, with their weight version
             outputs, self._drained = self._drained, None
-            outputs.outputs = pending + outputs.outputs
-            outputs.scheduler_stats = self.make_stats()
-            return outputs
-        scheduler_output = self.scheduler.schedule() if self._can_schedule() else None
-        if scheduler_output is not None and self._fault_pending:  # the state a real mid-step failure leaves behind
+            return self._emit(pending, outputs)
+        scheduler_output = self._schedule()
+        outputs = self._execute(scheduler_output)  # the scheduler's update from the step that finished
+        if outputs is None:  # nothing ran and nothing was in flight
+            if not pending:
+                return EngineCoreOutputs(timestamp=time.time(), weight_version=self.weight_version)
+            outputs = EngineCoreOutputs(timestamp=time.time())
+        outputs.weight_version = self.weight_version
+        return self._emit(pending, outputs)
+
+    def _schedule(self) -> SchedulerOutput | None:
+        """This step's SchedulerOutput; None when nothing may be scheduled (idle, paused, asleep, updating)."""
+        if not self._can_schedule():
+            return None
+        scheduler_output = self.scheduler.schedule()
+        if self._fault_pending:  # the state a real mid-step failure leaves behind
             self._fault_pending = False
             raise InjectedFault("injected fault (enable_fault_injection, tests only)")
-        if scheduler_output is not None and not scheduler_output.is_empty:
-            self.last_step_ran_model = True
-            if self.async_scheduling:
-                handle = self.executor.launch_model(scheduler_output)
-                previous, self._in_flight = self._in_flight, (scheduler_output, handle)
-                if previous is not None:
-                    outputs = self.scheduler.update_from_output(previous[0], self.executor.finish_model(previous[1]))
-                else:
-                    outputs = EngineCoreOutputs(timestamp=time.time())
-            else:
-                runner_output = self.executor.execute_model(scheduler_output)
-                outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        elif scheduler_output is not None or self._in_flight is not None:
+        return scheduler_output
+
+    def _execute(self, scheduler_output: SchedulerOutput | None) -> EngineCoreOutputs | None:
+        """Runs the scheduled step and returns the outputs of the step that finished (with async scheduling
+        the one launched before, and empty outputs at the first); None when nothing ran or was in flight."""
+        if scheduler_output is None or scheduler_output.is_empty:
             outputs = self._finish_in_flight()
-            if outputs is None:
-                outputs = EngineCoreOutputs(timestamp=time.time())
-            if scheduler_output is not None:  # an empty step: the runner still forgets finished requests
-                self.executor.execute_model(scheduler_output)
-        elif pending:
-            outputs = EngineCoreOutputs(timestamp=time.time())
-        else:
-            return EngineCoreOutputs(timestamp=time.time(), weight_version=self.weight_version)
+            if scheduler_output is None:
+                return outputs
+            self.executor.execute_model(scheduler_output)  # an empty step: the runner still forgets finished requests
+            return outputs if outputs is not None else EngineCoreOutputs(timestamp=time.time())
+        self.last_step_ran_model = True
+        if not self.async_scheduling:
+            return self.scheduler.update_from_output(scheduler_output, self.executor.execute_model(scheduler_output))
+        handle = self.executor.launch_model(scheduler_output)
+        previous, self._in_flight = self._in_flight, (scheduler_output, handle)
+        if previous is None:
+            return EngineCoreOutputs(timestamp=time.time())
+        return self.scheduler.update_from_output(previous[0], self.executor.finish_model(previous[1]))
+
+    def _emit(self, pending: list[EngineCoreOutput], outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+        """A step's outputs as step() returns them: the pending ABORT outputs first, then fresh stats."""
         outputs.outputs = pending + outputs.outputs
         outputs.scheduler_stats = self.make_stats()
-        outputs.weight_version = self.weight_version
         return outputs
 
     def _finish_in_flight(self) -> EngineCoreOutputs | None:
@@ -181,8 +196,8 @@ class EngineCore:
         weight version that computed them.
 
         Every control call that changes what steps run or with which weights (pause, sleep,
-        wake-up, weight updates, synchronize) starts with it, so it sees the engine with no step
-        half done, as in synchronous scheduling.
+        wake-up, weight updates, synchronize: @between_steps) starts with it, so it sees the
+        engine with no step half done, as in synchronous scheduling.
         """
         outputs = self._finish_in_flight()
         if outputs is None:
@@ -193,25 +208,26 @@ class EngineCore:
         self._drained = outputs
 
     def execute_dummy_batch(self) -> None:
-        """One forward pass of one dummy token on every worker, touching no request state: a lockstep
-        engine with no work of its own runs it so that its data-parallel peers' collectives have a partner."""
+        """One forward pass of one dummy token on every worker, touching no request state: a lockstep engine
+        with no work of its own runs it so that its data-parallel peers' collectives have a partner."""
         self.executor.execute_dummy_batch()
 
+    @between_steps
     def synchronize(self) -> None:
         """Waits until the device has finished everything queued on it (the step in flight collected)."""
-        self.drain()
         self.executor.rpc(Worker.synchronize)
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's stats (which resets its since-last-stats counters) plus the sleep level."""
         stats = self.scheduler.make_stats()
-        stats.sleep_level = self._sleep_level if self._asleep else 0
+        stats.sleep_level = self.control.sleep_level
         return stats
 
     # ---- pause / sleep (the RL control plane; vocabulary in engine/control.py) ----------------
     # Utility calls run between steps, so each of these sees the engine idle: no step is half done.
-    # Pause and sleep are independent; the scheduler's PauseState is the stricter of the two.
+    # Pause and sleep are independent; self.control derives the scheduler's PauseState from both.
 
+    @between_steps
     def pause(self, mode: str = "abort") -> list[str]:
         """Pauses generation; returns the ids of the requests it aborted (abort mode only).
 
@@ -224,22 +240,19 @@ class EngineCore:
             queue. resume() continues them exactly where they stopped.
         Pausing again switches the mode. Returns with the device synchronized.
         """
-        self.drain()
-        mode = check_pause_mode(mode)
+        mode = self.control.pause(mode)  # ValueError for an unknown mode: nothing changed
         aborted = self._abort_all() if mode == "abort" else []
-        self._pause_mode = mode
-        self._apply_pause_state()
         self.executor.rpc(Worker.synchronize)
         return aborted
 
     def resume(self) -> None:
         """Ends a pause (a no-op when not paused); does not wake a sleeping engine."""
-        self._pause_mode = None
-        self._apply_pause_state()
+        self.control.resume()
 
     def is_paused(self) -> bool:
-        return self._pause_mode is not None
+        return self.control.paused
 
+    @between_steps
     def sleep(self, level: int = 1) -> None:
         """Stops scheduling (level 0), and frees the KV cache and offloads (1) or discards (2) the weights.
 
@@ -248,15 +261,9 @@ class EngineCore:
         pause. While asleep, new requests get EngineNotReadyError(reason="sleeping"). Sleeping
         again at the same level is a no-op; at another level, wake up first.
         """
-        self.drain()
-        level = check_sleep_level(level)
-        if self._asleep:
-            if level == self._sleep_level and self._asleep == tags_put_to_sleep(level):
-                return
-            raise ValueError(  # the caller's order of calls, not an engine failure: HTTP 400
-                f"level: the engine is already asleep at level {self._sleep_level} (asleep: "
-                f"{sorted(self._asleep)}); wake_up() before sleeping at level {level}"
-            )
+        level = self.control.plan_sleep(level)
+        if level is None:  # asleep at that level already
+            return
         if level >= 1:
             aborted = self._abort_all()
             if aborted:
@@ -264,12 +271,11 @@ class EngineCore:
         self.executor.rpc(Worker.sleep, level)
         if level >= 1:
             self.scheduler.reset_prefix_cache()  # the KV it points at is gone
-        self._asleep = tags_put_to_sleep(level)
-        self._sleep_level = level
-        self._apply_pause_state()
+        self.control.record_sleep(level)
         self.executor.rpc(Worker.synchronize)
         logger.info("EngineCore: asleep at level %d", level)
 
+    @between_steps
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Wakes the given parts ("weights", "kv_cache", "scheduling"; None: all); awake parts are skipped.
 
@@ -281,45 +287,25 @@ class EngineCore:
         checkpoint's weight_version ("default" unless update_weight_version labelled it).
         The KV cache comes back with the same number of blocks and an empty prefix cache.
         """
-        self.drain()
-        wanted = check_wake_up_tags(tags)
-        to_wake = wanted & self._asleep
+        to_wake = self.control.plan_wake_up(tags)
         memory = to_wake & MEMORY_TAGS
-        memory_left = (self._asleep - to_wake) & MEMORY_TAGS
-        if "scheduling" in to_wake and memory_left:
-            raise ValueError(
-                f"tags: 'scheduling' cannot wake while {sorted(memory_left)} still sleeps; wake them together"
-            )
         if memory:
             self.executor.rpc(Worker.wake_up, sorted(memory))
-            if "weights" in memory and self._sleep_level == 2:
+            if "weights" in memory and self.control.sleep_level == 2:
                 # The checkpoint was re-read from disk: outputs must not carry a trained version's
                 # label until a weight update lands (the RL order updates right after this call).
                 self._serve_checkpoint()
-        self._asleep -= to_wake
-        if memory and not memory_left:
-            self._asleep.discard("scheduling")
-        self._apply_pause_state()
+        self.control.record_wake_up(to_wake)
         if to_wake:
-            logger.info("EngineCore: woke up %s%s", sorted(to_wake), "" if self._asleep else "; awake")
+            logger.info("EngineCore: woke up %s%s", sorted(to_wake), "" if self.control.sleeping else "; awake")
 
     def is_sleeping(self) -> bool:
-        return bool(self._asleep)
+        return self.control.sleeping
 
     def _abort_all(self) -> list[str]:
         finished = self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
         self._pending_outputs += [EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ABORT) for r in finished]
         return [r.request_id for r in finished]
-
-    def _apply_pause_state(self) -> None:
-        held = self._weight_update_active or not self._weights_consistent
-        if self._asleep or self._pause_mode == "keep" or held:
-            state = PauseState.PAUSED_ALL
-        elif self._pause_mode is not None:
-            state = PauseState.PAUSED_NEW
-        else:
-            state = PauseState.UNPAUSED
-        self.scheduler.set_pause_state(state)
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
@@ -329,15 +315,13 @@ class EngineCore:
 
         The scheduler is rebuilt (its queues, block pool and prefix cache may be half-updated,
         and cached blocks may hold KV that was never written) and the runner drops its
-        per-request state.
+        per-request state. A pause or sleep outlives it: the new scheduler reads self.control.
         """
         self._fault_pending = False
         self._in_flight = self._drained = None  # their requests are failed with the rest
         self.executor.rpc(Worker.reset_requests)
-        self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.max_model_len, self.num_blocks,
-                                   self.config.speculative.settings)
+        self.scheduler = self._new_scheduler()
         self._pending_outputs = []  # their requests were failed with the rest
-        self._apply_pause_state()  # a pause or sleep outlives the rebuilt scheduler
 
     def inject_fault(self, kind: str = "step") -> None:
         """Tests only: makes the next step raise InjectedFault. Needs enable_fault_injection."""
@@ -352,9 +336,10 @@ class EngineCore:
     # With a draft model (speculative decoding) init_info / update_info {"model": "draft"} update the
     # draft instead of the target, on the same lifecycle: the draft's KV lives in the same blocks,
     # so a draft update resets the prefix cache and recomputes running requests like a target update.
+    # Every rank lands its part of an update; rank 0's answer (OUTPUT_RANK) speaks for the engine.
 
+    @between_steps  # tokens of the step in flight belong to the version they were computed with
     def update_weight_version(self, weight_version: str) -> None:
-        self.drain()  # tokens of the step in flight belong to the version they were computed with
         if not isinstance(weight_version, str) or not weight_version:
             raise ValueError(f"weight_version: expected a non-empty string, got {weight_version!r}")
         self.weight_version = weight_version
@@ -390,13 +375,12 @@ class EngineCore:
         failed init leaves the previous transfer engine in place: nothing changes in the engine.
         The ranks install their new transfer engines together once all are ready, or drop them
         together when one failed (engine/worker/transfer_init.py)."""
-        if self._init_pending:  # here, not in the workers: a failed begin drops every rank's pending init
-            raise WeightUpdateStateError(
-                "init_weight_transfer_engine: another init_weight_transfer_engine is still waiting for its peer; "
-                "call again once it has answered"
-            )
-        self._init_rpc(Worker.begin_weight_transfer_init, init_info)
-        self._init_pending = True
+        self.control.begin_init()  # here, not in the workers: a failed begin drops every rank's pending init
+        try:
+            self._init_rpc(Worker.begin_weight_transfer_init, init_info)
+        except BaseException:
+            self.control.end_init()
+            raise
 
         def poll() -> tuple[bool, None]:
             try:
@@ -404,9 +388,10 @@ class EngineCore:
                 if ready:
                     self.executor.rpc(Worker.commit_weight_transfer_init)
             except BaseException:
-                self._init_pending = False
+                self.control.end_init()
                 raise
-            self._init_pending = not ready
+            if ready:
+                self.control.end_init()
             return ready, None
 
         return DeferredResult(poll)
@@ -424,13 +409,13 @@ class EngineCore:
                 logger.warning("cancel_weight_transfer_init after a failed init: %s", e)
             raise
 
+    @between_steps
     def start_weight_update(self) -> None:
         """Begins an update; until it finishes or aborts nothing is scheduled (requests queue)."""
-        self.drain()
         self.executor.rpc(Worker.start_weight_update)
-        self._set_weight_update_active(True)
-        self._last_weight_call = time.monotonic()
+        self.control.start_weight_update()
 
+    @between_steps
     def update_weights(self, update_info: dict) -> int:
         """Lands one atomic batch of HF-named tensors; returns how many. ValueError: nothing changed.
 
@@ -438,16 +423,14 @@ class EngineCore:
         are back. The prefix cache is reset here too (not only at finish), so that even
         between the calls of one update no request hits a block computed with older weights.
         """
-        self.drain()
         try:
             num_loaded = self.executor.rpc(Worker.update_weights, update_info)[OUTPUT_RANK]
         except WeightTransferError:
-            self._weights_consistent = self._all_weights_consistent()
-            self._set_weight_update_active(False)
+            self.control.end_weight_update(consistent=self._weights_consistent())
             raise
         finally:
             self.scheduler.reset_prefix_cache()
-            self._last_weight_call = time.monotonic()
+            self.control.record_weight_call()
         return num_loaded
 
     def expire_idle_weight_update(self) -> bool:
@@ -456,25 +439,21 @@ class EngineCore:
         The engine process's loop calls this while it waits: a trainer that dies between two
         calls must not leave the engine holding its requests forever.
         """
-        limit = self.config.fault_tolerance.weight_update_idle_timeout_s
-        if not self._weight_update_active or limit <= 0 or time.monotonic() - self._last_weight_call < limit:
+        if not self.control.weight_update_idle_expired():
             return False
-        logger.warning("weight update got no call for %.0f s: aborting it and restoring the previous weights", limit)
+        logger.warning("weight update got no call for %.0f s: aborting it and restoring the previous weights",
+                       self.control.weight_update_idle_timeout_s)
         self.abort_weight_update()
         return True
 
+    @between_steps
     def abort_weight_update(self) -> bool:
         """Ends an update in progress and restores the weights it changed; False if none was in progress."""
-        self.drain()
         aborted = self.executor.rpc(Worker.abort_weight_update)[OUTPUT_RANK]
-        self._weights_consistent = self._all_weights_consistent()
-        self._set_weight_update_active(False)
+        self.control.end_weight_update(consistent=self._weights_consistent())
         return aborted
 
-    def _set_weight_update_active(self, active: bool) -> None:
-        self._weight_update_active = active
-        self._apply_pause_state()
-
+    @between_steps
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Ends the update, forgets the prefix cache and, if given, switches the weight version.
 
@@ -484,23 +463,20 @@ class EngineCore:
         """
         if weight_version is not None and (not isinstance(weight_version, str) or not weight_version):
             raise ValueError(f"weight_version: expected a non-empty string, got {weight_version!r}")
-        self.drain()
         self.executor.rpc(Worker.finish_weight_update)
         self._serving_checkpoint = False
-        self._weights_consistent = True
-        self._set_weight_update_active(False)
+        self.control.end_weight_update(consistent=True)
         self.scheduler.recompute_running()
         self.scheduler.reset_prefix_cache()
         if weight_version is not None:
             self.weight_version = weight_version
 
+    @between_steps
     def shutdown_weight_transfer_engine(self) -> None:
-        self.drain()
         self.executor.rpc(Worker.shutdown_weight_transfer_engine)  # aborts an update in progress
-        self._weights_consistent = self._all_weights_consistent()
-        self._set_weight_update_active(False)
+        self.control.end_weight_update(consistent=self._weights_consistent())
 
-    def _all_weights_consistent(self) -> bool:
+    def _weights_consistent(self) -> bool:
         """Whether every rank's weights are of one version (a failed transfer that could not roll back leaves a mix)."""
         return all(self.executor.rpc(Worker.weights_consistent))
 

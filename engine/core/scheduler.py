@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import heapq
-import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -12,6 +11,7 @@ import numpy as np
 
 from engine.config import CacheConfig, SchedulerConfig, SpecDecodeSettings
 from engine.control import PauseState
+from engine.control_state import ControlState
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -20,8 +20,6 @@ from engine.exceptions import EngineNotReadyError
 from engine.sampling_params import RepetitionDetectionParams
 from engine.wire import EngineCoreOutput, EngineCoreOutputs
 from engine.worker.runner_output import ModelRunnerOutput
-
-logger = logging.getLogger(__name__)
 
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -123,16 +121,17 @@ class Scheduler:
     model also writes its own KV a few positions ahead: those lookahead slots are allocated
     with the step but never cached. Speculative steps run without a step in flight.
 
-    Pause states (set_pause_state): PAUSED_NEW refuses new requests but schedules everything
-    already admitted (waiting and preempted ones too, so a wait-mode pause drains);
-    PAUSED_ALL schedules nothing and queues new requests, so a request stops exactly between
-    two steps and later continues from there.
+    Pause states (pause_state, read from the engine's ControlState, engine/control_state.py):
+    PAUSED_NEW refuses new requests but schedules everything already admitted (waiting and
+    preempted ones too, so a wait-mode pause drains); PAUSED_ALL schedules nothing and queues
+    new requests, so a request stops exactly between two steps and later continues from there.
     """
 
     def __init__(
         self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, max_model_len: int, num_blocks: int,
-        spec: SpecDecodeSettings | None = None,
+        spec: SpecDecodeSettings | None = None, control: ControlState | None = None,
     ) -> None:
+        """control: the engine core's ControlState, whose pause_state this scheduler obeys (None: one of its own)."""
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
@@ -167,7 +166,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_preemptions_since_stats = 0
         self.step_work_since_stats = StepWork()
-        self.pause_state = PauseState.UNPAUSED
+        # Read, never set here: the pause state follows from what the RL controls did, so it outlives
+        # a scheduler rebuilt after a fault and cannot drift from the engine core's view of it.
+        self.control = control if control is not None else ControlState()
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         # A draft model writes its KV up to num_spec_tokens positions past a step's last token.
         self.num_lookahead_tokens = self.num_spec_tokens if spec is not None and spec.method == "draft_model" else 0
@@ -212,11 +213,9 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    def set_pause_state(self, state: PauseState) -> None:
-        state = PauseState(state)
-        if state != self.pause_state:
-            logger.info("Scheduler: pause state %s -> %s", self.pause_state.name, state.name)
-            self.pause_state = state
+    @property
+    def pause_state(self) -> PauseState:
+        return self.control.pause_state
 
     # ---- one step ----
 

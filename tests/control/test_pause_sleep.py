@@ -13,6 +13,7 @@ import torch
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.control import PauseState
+from engine.control_state import ControlState
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.stats import SchedulerStats
@@ -93,26 +94,28 @@ def _add_all(core: EngineCore, prefix: str) -> list[str]:
 # ---- the scheduler's pause state (no torch needed) -------------------------------------------
 
 
-def test_set_pause_state_logs_every_change_and_paused_all_schedules_nothing(caplog):
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4), CacheConfig(block_size=4), 32, 64)
+def test_the_scheduler_obeys_its_control_state_whose_pause_state_changes_are_logged(caplog):
+    control = ControlState()
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4), CacheConfig(block_size=4), 32, 64, control=control)
     scheduler.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=4), None))
-    with caplog.at_level(logging.INFO, logger="engine.core.scheduler"):
-        scheduler.set_pause_state(PauseState.PAUSED_ALL)
-        scheduler.set_pause_state(PauseState.PAUSED_ALL)  # no change: no line
+    with caplog.at_level(logging.INFO, logger="engine.control_state"):
+        control.pause("keep")
+        control.pause("keep")  # no change: no line
+        assert scheduler.pause_state == PauseState.PAUSED_ALL
         out = scheduler.schedule()
         assert out.is_empty and not out.scheduled_new_reqs and not out.num_scheduled_tokens
         scheduler.add_request(Request("b", [4, 5], SamplingParams(max_tokens=4), None))  # queued
-        scheduler.set_pause_state(PauseState.PAUSED_NEW)
+        control.pause("wait")
         with pytest.raises(EngineNotReadyError) as refused:
             scheduler.add_request(Request("c", [6], SamplingParams(max_tokens=4), None))
         assert refused.value.reason == "paused" and refused.value.http_status == 503
         assert not scheduler.schedule().is_empty  # already admitted requests still run
-        scheduler.set_pause_state(PauseState.UNPAUSED)
-    lines = [r.getMessage() for r in caplog.records if r.name == "engine.core.scheduler"]
+        control.resume()
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.control_state"]
     assert lines == [
-        "Scheduler: pause state UNPAUSED -> PAUSED_ALL",
-        "Scheduler: pause state PAUSED_ALL -> PAUSED_NEW",
-        "Scheduler: pause state PAUSED_NEW -> UNPAUSED",
+        "EngineCore: pause state UNPAUSED -> PAUSED_ALL",
+        "EngineCore: pause state PAUSED_ALL -> PAUSED_NEW",
+        "EngineCore: pause state PAUSED_NEW -> UNPAUSED",
     ]
     assert scheduler.make_stats().pause_state == PauseState.UNPAUSED
     assert isinstance(EngineNotReadyError("x"), RuntimeError)
@@ -338,13 +341,13 @@ def test_bad_arguments_raise_value_error_naming_them_and_change_nothing(core):
         core.wake_up(["weights", "gpu"])
     assert state() == before
     core.sleep(1)
-    asleep = set(core._asleep)
+    asleep = set(core.control.asleep)
     with pytest.raises(ValueError, match="tags"):
         core.wake_up(["bogus"])
     for level in (2, 0):  # another level while asleep: the caller's mistake (400 over HTTP), nothing changes
         with pytest.raises(ValueError, match="already asleep at level 1"):
             core.sleep(level)
-    assert core._asleep == asleep and core.executor.worker.sleeper.asleep == {"weights", "kv_cache"}
+    assert core.control.asleep == asleep and core.executor.worker.sleeper.asleep == {"weights", "kv_cache"}
     core.wake_up()
     core.add_request(_request("ok", PROMPTS[0]))
     assert len(_run(core).tokens["ok"]) == MAX_TOKENS
