@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from engine.config import EngineConfig
-from engine.control import MEMORY_TAGS
+from engine.control import MEMORY_TAGS, PauseMode, SleepLevel
 from engine.control_state import ControlState
 from engine.core.request import Request, RequestStatus
 from engine.core.sched_output import SchedulerOutput
@@ -228,7 +228,7 @@ class EngineCore:
     # Pause and sleep are independent; self.control derives the scheduler's PauseState from both.
 
     @between_steps
-    def pause(self, mode: str = "abort") -> list[str]:
+    def pause(self, mode: PauseMode = "abort") -> list[str]:
         """Pauses generation; returns the ids of the requests it aborted (abort mode only).
 
         abort: every in-flight request ends with finish reason abort (its ABORT output is
@@ -253,7 +253,7 @@ class EngineCore:
         return self.control.paused
 
     @between_steps
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: SleepLevel = 1) -> None:
         """Stops scheduling (level 0), and frees the KV cache and offloads (1) or discards (2) the weights.
 
         Requests in flight when level >= 1 is asked for are aborted (their KV cache is about to
@@ -362,11 +362,11 @@ class EngineCore:
     # holds the busy loop; in-process callers call the plain name, which waits for the answer.
     DEFERRED_UTILITIES = {"init_weight_transfer_engine": "begin_weight_transfer_init"}
 
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Sets the weight transfer backend up (waiting for its rendezvous with the trainer); see begin_weight_transfer_init."""
         self.begin_weight_transfer_init(init_info).wait()
 
-    def begin_weight_transfer_init(self, init_info: dict) -> DeferredResult:
+    def begin_weight_transfer_init(self, init_info: dict[str, Any]) -> DeferredResult:
         """Starts init_weight_transfer_engine: ValueError now for bad init_info or a peer outside
         weight_transfer_allowed_hosts; the rendezvous runs in the workers' background (bounded by
         init_info's timeout_s: PeerTimeoutError) and the result says when every rank is done.
@@ -416,7 +416,7 @@ class EngineCore:
         self.control.start_weight_update()
 
     @between_steps
-    def update_weights(self, update_info: dict) -> int:
+    def update_weights(self, update_info: dict[str, Any]) -> int:
         """Lands one atomic batch of HF-named tensors; returns how many. ValueError: nothing changed.
 
         WeightTransferError: the transfer failed, the update is over and the previous weights
@@ -493,19 +493,23 @@ class EngineCore:
             info["ranks"] = per_rank
         return info
 
-    def weight_checker(self, baseline: dict | None = None, model: str = "target") -> dict:
+    def weight_checker(self, baseline: dict[str, Any] | None = None, model: str = "target") -> dict:
         """{"weight_version", "checksums": {hf_name: sha256}}, plus match/mismatches/missing/unexpected vs `baseline`,
         of `model` ("target" or "draft", as in weight_info); rank 0's, plus "ranks": [each rank's] with more than one.
 
         baseline: {hf_name: checksum} (every rank is compared with it) or {"ranks": [one such dict
         per rank]}. "match" is true only if every rank matches its baseline.
         """
-        check_rank_baseline(baseline, self.executor.world_size)
+        check_rank_baseline(baseline, self.get_world_size())
         per_rank = self.executor.rpc(Worker.weight_checker, baseline, model)
         checked = combine_rank_dicts(per_rank)
         if baseline is not None and len(per_rank) > 1:
             checked["match"] = all(r["match"] for r in per_rank)
         return {"weight_version": self.weight_version, **checked}
+
+    def get_world_size(self) -> int:
+        """The engine's worker count: one per tensor-parallel rank."""
+        return self.config.parallel.tensor_parallel_size
 
     def get_worker_pids(self) -> list[int]:
         """Each tensor-parallel rank's worker pid (this process's for the in-process executor; a Ray

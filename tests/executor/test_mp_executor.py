@@ -85,6 +85,7 @@ def test_tp2_greedy_matches_tp1(tiny_checkpoint, arch):
 def _check_weight_views_cover_every_rank(llm: LLM) -> None:
     """weight_info / weight_checker of a TP=2 engine: rank 0's view, "ranks" with both, baselines per rank."""
     core = llm.engine_core
+    assert core.get_world_size() == 2
     info = core.weight_info()
     assert len(info["ranks"]) == 2 and info["ranks"][0] == info["weights"] and "ranks" not in info["weights"]
     assert info["ranks"][0] != info["ranks"][1]  # each rank names its own slice
@@ -107,7 +108,7 @@ def test_tp1_under_mp_matches_uni_and_reraises_worker_errors(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     prompts = _prompts(1)
     uni = LLM(path, **ENGINE_ARGS)
-    assert isinstance(uni.engine_core.executor, UniProcExecutor)
+    assert isinstance(uni.engine_core.executor, UniProcExecutor) and uni.engine_core.get_world_size() == 1
     expected = _generate(uni, prompts, logprobs=3)
     uni.shutdown()
 
