@@ -59,13 +59,13 @@ from torch import nn
 from engine.allowed_hosts import LOOPBACK_HOSTS, AllowedHosts
 from engine.distributed import get_tp
 from engine.exceptions import WeightTransferError, WeightUpdateStateError
-from engine.models.hf_layout import dtype_name, full_shape, hf_remote_shapes, hf_weight_layout
+from engine.models.hf_layout import full_shape, hf_remote_shapes, hf_weight_layout
+from engine.worker import weight_report
 from engine.worker.transfer_init import PendingInit
 from engine.worker.weight_checks import FiniteChecks, check_received, check_weights
 from engine.worker.weight_landing import LandingPlan, land, plan_landing
 from engine.worker.weight_rollback import WeightRollback
 from weight_transfer.base import SparseWeightPatch, WeightTransferEngine, WeightUpdateInfo, get_engine_backend
-from weight_transfer.checksums import compare_checksums, tensor_checksum
 
 _MAX_PLANS = 64  # landing plans kept (one per recurring call: a model's packs)
 
@@ -278,33 +278,25 @@ class WeightUpdater:
             raise WeightUpdateStateError(f"{method}: no weight transfer engine; call init_weight_transfer_engine first")
         return self.transfer_engine
 
-    # ---- inspection ----------------------------------------------------------------------------
+    # ---- inspection (engine/worker/weight_report.py) -------------------------------------------
 
     def weight_info(self) -> dict[str, dict]:
         """{hf_name: {"shape": [...], "dtype": "bfloat16", "shard": {"dim", "start", "size"} | None}} for
         every weight this rank holds (under expert parallelism: its own experts, not the other ranks'),
-        aliases included: shape is the full HF tensor's, shard the slice this rank holds (None: all of it). weight_transfer.checksums.hf_state_checksums(state, shards=this) gives the
-        checksums this rank should report."""
-        return {
-            name: {"shape": list(slot.shape), "dtype": dtype_name(slot.param.dtype),
-                   "shard": None if slot.shard_dim is None else {"dim": slot.shard_dim, "start": slot.shard_start, "size": slot.shard_size}}
-            for name, slot in self.layout.items()
-        }
+        aliases included: shape is the full HF tensor's, shard the slice this rank holds (None: all of it).
+        weight_transfer.checksums.hf_state_checksums(state, shards=this) gives the checksums this rank should report."""
+        return weight_report.weight_info(self.layout)
 
     def checksums(self) -> dict[str, str]:
         """{hf_name: checksum} (weight_transfer.checksums.tensor_checksum) of every weight as this rank
         holds it: fused ones per shard, tensor-parallel ones of this rank's slice only."""
         self._require_resident("weight_checker")
-        return {name: tensor_checksum(slot.tensor()) for name, slot in self.layout.items()}
+        return weight_report.checksums(self.layout)
 
     def weight_checker(self, baseline: dict | None = None) -> dict:
         """{"checksums": {...}}, plus match/mismatches/missing/unexpected against `baseline` when given."""
-        checksums = self.checksums()
-        result: dict = {"checksums": checksums}
-        if baseline is not None:
-            aliases = [n for n, s in self.layout.items() if s.alias_of is not None]
-            result.update(compare_checksums(checksums, baseline, optional=aliases, held_elsewhere=self.remote))
-        return result
+        self._require_resident("weight_checker")
+        return weight_report.weight_checker(self.layout, self.remote, baseline)
 
 
 class WeightUpdaters:
