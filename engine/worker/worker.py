@@ -26,7 +26,8 @@ from engine.models.loader import load_hf_config, load_model
 from engine.sample import Sampler, SamplingMetadata, make_generator
 from engine.worker.model_runner import ModelRunner, forward_without_kv_writes
 from engine.worker.runner_output import ModelRunnerOutput
-from engine.worker.weight_update import DRAFT_MODEL, TARGET_MODEL, WeightUpdater, WeightUpdaters
+from engine.worker.weight_update import DRAFT_MODEL, TARGET_MODEL, WeightUpdater
+from engine.worker.weight_updaters import WeightUpdaters
 
 logger = logging.getLogger(__name__)
 
