@@ -15,7 +15,7 @@ class WeightRollback:
         including weights an earlier call of the update had changed already (their values at the
         start of this call, kept when this call first overwrote them);
       - undo_update() puts back everything changed since start (a failed transfer, an abort).
-    Mode "none" keeps no copies, only which weights were touched: both then report False (not restored).
+    Mode "none" keeps no copies, only which weights were touched: once one was, both report False (not restored).
     Copies are written back in place, so parameter addresses (and CUDA graphs that recorded them) stay valid.
     """
 

@@ -240,7 +240,7 @@ def rank_call(state: dict, method: str, *args: Any) -> Any:
 
 def _register_local_stable() -> None:
     """The local backend, declared views_stable_per_call (true of it: its tensors live in update_info for
-    the whole call), so the worker lands each call with its batched path (WeightUpdater._update_together)."""
+    the whole call), so the worker lands each call as one group (WeightUpdater.update_weights, whole_call)."""
     from weight_transfer.base import register_engine_backend
     from weight_transfer.local import LocalWeightTransferEngine
 
