@@ -29,8 +29,7 @@ F = TypeVar("F", bound=Callable)
 
 
 def between_steps(method: F) -> F:
-    """Marks a control that changes what steps run or with which weights: it first collects the step in flight
-    (drain), so it sees the engine with no step half done, as in synchronous scheduling."""
+    """Marks a control that changes what steps run or with which weights: it starts with drain() (see there)."""
 
     @functools.wraps(method)
     def drained(self: EngineCore, *args, **kwargs):
