@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from engine import exceptions as engine_exceptions
 from engine.config import EngineConfig
-from engine.control import PauseMode
+from engine.control import FaultToleranceStatus, Control, PauseMode, Where, forward_controls, group_only_error
 from engine.core_client import EngineCoreClient, EngineUtilityError, check_fault_tolerance_instruction
 from engine.engine_args import create_engine_config
 from engine.exceptions import (
@@ -33,6 +33,12 @@ from engine.wire import EngineCoreOutput, EngineCoreRequest, EngineStatus, Finis
 
 logger = logging.getLogger(__name__)
 
+# The weight-update lifecycle calls whose durations the metrics record, by operation name.
+_WEIGHT_OPERATIONS = {
+    "init_weight_transfer_engine": "init", "start_weight_update": "start", "update_weights": "update",
+    "finish_weight_update": "finish", "shutdown_weight_transfer_engine": "shutdown",
+}
+
 
 class Admission:
     """Places in an engine's queue taken by AsyncLLM.admit for requests not yet tokenized; release() gives
@@ -48,6 +54,7 @@ class Admission:
         self.llm._num_admitting -= num
 
 
+@forward_controls(asynchronous=True)
 class AsyncLLM:
     """One frontend: tokenizes in a thread pool, admits or refuses, streams outputs per request.
 
@@ -251,13 +258,25 @@ class AsyncLLM:
     def get_metrics_snapshot(self) -> dict:
         return self.stat_loggers.get_metrics_snapshot()
 
-    async def reset_prefix_cache(self) -> bool:
-        return await self.engine_core.call_utility_async("reset_prefix_cache")
+    # ---- RL controls (declared in engine/control.py) -------------------------------------------
+    # Every declared control this class does not define below is forwarded by `_forward_control`
+    # to the EngineCore method of the same name (forward_controls). A remote ValueError (bad mode,
+    # level, tag, weight name...) comes back as ValueError, so the HTTP server answers 400; the
+    # engine validates before it changes anything.
 
-    # ---- RL controls: pause/resume, sleep/wake_up, weights ------------------------------------
-    # Thin wrappers over EngineCore utilities. A remote ValueError (bad mode, level, tag, weight
-    # name...) comes back as ValueError, so the HTTP server answers 400; the engine validates
-    # before it changes anything.
+    _OWN_CONTROLS = staticmethod(lambda declared: declared.where is Where.FRONTEND)
+
+    async def _forward_control(self, declared: Control, args: tuple) -> Any:
+        """A declared control run by the EngineCore (a utility call); a weight-update lifecycle call's
+        duration is recorded by operation (successful calls only)."""
+        if declared.where is Where.GROUP:
+            raise group_only_error(declared.name)
+        operation = _WEIGHT_OPERATIONS.get(declared.name)
+        start = time.perf_counter()
+        result = await self._control(declared.name, *args)
+        if operation is not None:
+            self.stat_loggers.record_weight_update(operation, time.perf_counter() - start)
+        return result
 
     async def _control(self, method: str, *args: Any) -> Any:
         if self._dead is not None:
@@ -305,13 +324,9 @@ class AsyncLLM:
             if message.startswith(prefix):
                 raise EngineNotReadyError(message, reason=reason)
 
-    async def pause(self, mode: str = "abort") -> None:
-        """Stops generation: "abort" ends in-flight requests (finish_reason "abort"), "wait" lets
-        them finish and returns once they have, "keep" freezes them until resume().
-
-        In abort and wait mode new requests are refused with EngineNotReadyError (HTTP 503)
-        until resume(); in keep mode they queue. A bad mode is a ValueError and changes nothing.
-        """
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """EngineControls.pause; the frontend ends the streams of what the engine aborted ("abort")
+        or waits until nothing is left to finish ("wait")."""
         modes = get_args(PauseMode)
         if mode not in modes:
             raise ValueError(f"mode: unknown pause mode {mode!r}; expected one of {', '.join(modes)}")
@@ -323,25 +338,6 @@ class AsyncLLM:
         elif mode == "wait":
             while await self._control("has_unfinished_requests"):
                 await asyncio.sleep(0.02)
-
-    async def resume(self) -> None:
-        await self._control("resume")
-
-    async def is_paused(self) -> bool:
-        return bool(await self._control("is_paused"))
-
-    async def sleep(self, level: int = 1) -> None:
-        """Level 0 stops scheduling; 1 also frees the KV cache and offloads the weights to host
-        memory; 2 discards the weights (re-loaded on wake-up). Level >= 1 aborts in-flight requests;
-        new ones are refused with EngineNotReadyError until wake_up()."""
-        await self._control("sleep", level)
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        """Restores what sleep() freed (only `tags`, e.g. ["weights"], when given)."""
-        await self._control("wake_up", list(tags) if tags is not None else None)
-
-    async def is_sleeping(self) -> bool:
-        return bool(await self._control("is_sleeping"))
 
     async def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Aborts requests by user id; their streams end with finish_reason "abort".
@@ -373,44 +369,6 @@ class AsyncLLM:
             await self.engine_core.abort_requests_async(engine_ids)
         return found
 
-    async def _timed_weight_op(self, operation: str, method: str, *args: Any) -> Any:
-        """A weight-update lifecycle call, its duration recorded by operation (successful calls only)."""
-        start = time.perf_counter()
-        result = await self._control(method, *args)
-        self.stat_loggers.record_weight_update(operation, time.perf_counter() - start)
-        return result
-
-    async def init_weight_transfer_engine(self, init_info: dict) -> None:
-        await self._timed_weight_op("init", "init_weight_transfer_engine", init_info)
-
-    async def start_weight_update(self) -> None:
-        await self._timed_weight_op("start", "start_weight_update")
-
-    async def update_weights(self, update_info: dict) -> None:
-        await self._timed_weight_op("update", "update_weights", update_info)
-
-    async def finish_weight_update(self, weight_version: str | None = None) -> None:
-        await self._timed_weight_op("finish", "finish_weight_update", weight_version)
-
-    async def abort_weight_update(self) -> bool:
-        return await self._control("abort_weight_update")
-
-    async def shutdown_weight_transfer_engine(self) -> None:
-        await self._timed_weight_op("shutdown", "shutdown_weight_transfer_engine")
-
-    async def update_weight_version(self, new_version: str) -> None:
-        await self._control("update_weight_version", new_version)
-
-    async def get_weight_version(self) -> str | None:
-        return await self._control("get_weight_version")
-
-    async def weight_info(self, model: str = "target") -> dict:
-        """EngineCore.weight_info of `model`: "target", or speculative decoding's "draft"."""
-        return await self._control("weight_info", model)
-
-    async def weight_checker(self, baseline: dict | None = None, model: str = "target") -> dict:
-        return await self._control("weight_checker", baseline, model)
-
     async def get_dp_state(self) -> dict:
         """A lockstep engine's wave and step counters (engine/dp_core_proc.py); EngineUtilityError on any other engine."""
         return await self._control("get_dp_state")
@@ -418,10 +376,6 @@ class AsyncLLM:
     async def reconfigure_elastic_ep(self, plan: dict) -> None:
         """A lockstep engine's part of an elastic EP size change (DPEngineCoreProc.reconfigure_elastic_ep); RolloutGroup drives it."""
         await self._control("reconfigure_elastic_ep", plan)
-
-    async def get_world_size(self) -> int:
-        """The engine's worker count: one per tensor-parallel rank."""
-        return self.config.parallel.tensor_parallel_size
 
     def shutdown(self) -> None:
         """Stops the engine; callers still waiting for output get EngineDeadError at once."""
@@ -434,7 +388,7 @@ class AsyncLLM:
 
     # ---- fault tolerance ---------------------------------------------------------------------
 
-    async def fault_tolerance_status(self) -> dict:
+    async def fault_tolerance_status(self) -> FaultToleranceStatus:
         """{"status": "healthy" | "unhealthy" | "dead", "enabled": enable_fault_tolerance}.
 
         Unhealthy: a step failed, its requests ended with finish reason "error", new ones are
@@ -456,7 +410,3 @@ class AsyncLLM:
             raise EngineDeadError(str(self._dead))
         status = await self.engine_core.apply_fault_tolerance_instruction_async(instruction)
         self.engine_status = EngineStatus[status.upper()]
-
-    async def inject_fault(self, kind: str = "step") -> None:
-        """Tests only: the engine's next step raises (refused unless enable_fault_injection is set)."""
-        await self.engine_core.call_utility_async("inject_fault", kind)

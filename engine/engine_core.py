@@ -338,12 +338,12 @@ class EngineCore:
     # Every rank lands its part of an update; rank 0's answer (OUTPUT_RANK) speaks for the engine.
 
     @between_steps  # tokens of the step in flight belong to the version they were computed with
-    def update_weight_version(self, weight_version: str) -> None:
-        if not isinstance(weight_version, str) or not weight_version:
-            raise ValueError(f"weight_version: expected a non-empty string, got {weight_version!r}")
-        self.weight_version = weight_version
+    def update_weight_version(self, new_version: str) -> None:
+        if not isinstance(new_version, str) or not new_version:
+            raise ValueError(f"new_version: expected a non-empty string, got {new_version!r}")
+        self.weight_version = new_version
         if self._serving_checkpoint:  # a label for the checkpoint's own weights, kept across re-loads
-            self._checkpoint_weight_version = weight_version
+            self._checkpoint_weight_version = new_version
 
     def _serve_checkpoint(self) -> None:
         """The weights are the checkpoint's again (re-loaded after sleep(2)): so is the version."""

@@ -42,7 +42,7 @@ from typing import Any, get_args
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.async_llm import Admission, AsyncLLM
-from engine.control import PauseMode
+from engine.control import FaultToleranceStatus, Combine, Control, PauseMode, SleepLevel, combine_answers, forward_controls
 from engine.engine_args import create_engine_config
 from engine.exceptions import EngineDeadError
 from engine.metrics.loggers import LoggingStatLogger
@@ -122,6 +122,7 @@ def _check_enough_gpus(devices: list[str], tensor_parallel_size: int) -> None:
         )
 
 
+@forward_controls(asynchronous=True)
 class RolloutGroup:
     """Data-parallel engines with one frontend interface (the AsyncLLM methods the server and RolloutWorker use)."""
 
@@ -186,7 +187,7 @@ class RolloutGroup:
         Engine i runs on engine_devices(...)[i] with seed + i, so that requests without their
         own seed do not draw the same samples on every engine.
         """
-        if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+        if type(data_parallel_size) is not int or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be a positive int, got {data_parallel_size!r}")
         base = create_engine_config(**engine_args)  # validates everything before a process starts
         tp = base.parallel.tensor_parallel_size
@@ -325,9 +326,24 @@ class RolloutGroup:
         """engine.method(*args) on every engine; the per-engine results in engine order."""
         return await self._each(lambda i, engine: getattr(engine, method)(*args))
 
+    # ---- RL controls (declared in engine/control.py) -------------------------------------------
+    # A declared control this class does not define below runs on every engine at once and its
+    # answers combine by the control's rule (Combine); those with Combine.OWN are defined here.
+
+    _OWN_CONTROLS = staticmethod(lambda declared: declared.combine is Combine.OWN)
+
+    async def _forward_control(self, declared: Control, args: tuple) -> Any:
+        answers = await self._fan_out(declared.name, *args)
+        return combine_answers(declared, answers, lambda versions: self._disagreement(declared.name, versions))
+
+    @staticmethod
+    def _disagreement(method: str, versions: list) -> WeightVersionMismatchError:
+        serving = ", ".join(f"engine {i} serves {v!r}" for i, v in enumerate(versions))
+        return WeightVersionMismatchError(f"{method}: the engines of the group disagree: {serving}")
+
     # ---- pause, sleep ------------------------------------------------------------------------
 
-    async def pause(self, mode: str = "abort") -> None:
+    async def pause(self, mode: PauseMode = "abort") -> None:
         """Pauses every engine in `mode` (AsyncLLM.pause); returns once all are paused.
 
         Two-phase: all engines pause at once (the idle ones are paused at once, a busy one
@@ -355,14 +371,7 @@ class RolloutGroup:
             if isinstance(result, BaseException):
                 logger.warning("RolloutGroup: resuming engine %d after a failed pause failed: %s", index, result)
 
-    async def resume(self) -> None:
-        await self._fan_out("resume")
-
-    async def is_paused(self) -> bool:
-        """True while any engine is paused (after pause() all are; after resume() none is)."""
-        return any(await self._fan_out("is_paused"))
-
-    async def sleep(self, level: int = 1) -> None:
+    async def sleep(self, level: SleepLevel = 1) -> None:
         """Every engine sleeps; lockstep engines are paused ("keep") first, so that none sleeps mid-wave."""
         if self.lockstep and not self._paused_for_sleep and not await self.is_paused():
             await self.pause("keep")
@@ -380,10 +389,8 @@ class RolloutGroup:
         """Lockstep engines: each engine's wave, its counters (real steps, dummy batches, syncs...), in engine order."""
         return await self._fan_out("get_dp_state")
 
-    async def is_sleeping(self) -> bool:
-        return any(await self._fan_out("is_sleeping"))
-
     async def reset_prefix_cache(self) -> bool:
+        """True if every engine reset; the balancer forgets which engine holds which prefix."""
         self.balancer.forget_prefixes()
         return all(await self._fan_out("reset_prefix_cache"))
 
@@ -395,11 +402,11 @@ class RolloutGroup:
                              "started by RolloutGroup.from_engine_args")
         return self.elastic
 
-    async def prepare_elastic_ep(self, new_data_parallel_size: int, drain_timeout_s: float | None = None) -> dict:
+    async def prepare_elastic_ep(self, new_data_parallel_size: int, drain_timeout_s: float | None = None) -> dict[str, Any]:
         """Reconfigures the group for `new_data_parallel_size` engines without routing to added ones (ElasticEP.prepare)."""
         return await self._elastic().prepare(new_data_parallel_size, drain_timeout_s)
 
-    async def commit_elastic_ep(self, ready_timeout_s: float | None = None) -> dict:
+    async def commit_elastic_ep(self, ready_timeout_s: float | None = None) -> dict[str, Any]:
         """Finalizes the prepared change: routes to every engine of the new size and resumes (ElasticEP.commit)."""
         return await self._elastic().commit(ready_timeout_s)
 
@@ -412,11 +419,7 @@ class RolloutGroup:
     async def engine_world_sizes(self) -> list[int]:
         return [int(size) for size in await self._fan_out("get_world_size")]
 
-    async def get_world_size(self) -> int:
-        """Workers in all engines: the receivers a weight transport must reach."""
-        return sum(await self.engine_world_sizes())
-
-    async def init_weight_transfer_engine(self, init_info: dict) -> None:
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Every engine's receiver; with "rank_offset", engine i's workers start at the offset
         plus the world sizes of engines 0..i-1."""
         if not isinstance(init_info, dict):
@@ -430,44 +433,21 @@ class RolloutGroup:
             next_offset += size
         await self._each(lambda i, e: e.init_weight_transfer_engine({**init_info, "rank_offset": offsets[i]}))
 
-    async def start_weight_update(self) -> None:
-        await self._fan_out("start_weight_update")
-
-    async def update_weights(self, update_info: dict) -> None:
-        # Concurrent on purpose: a collective transport (nccl) needs every receiver at once.
-        await self._fan_out("update_weights", update_info)
-
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.balancer.forget_prefixes()  # every engine reset its prefix cache for the new weights
+        """Every engine finishes (and resets its prefix cache for the new weights); so the balancer forgets prefixes."""
+        self.balancer.forget_prefixes()
         await self._fan_out("finish_weight_update", weight_version)
 
-    async def abort_weight_update(self) -> bool:
-        return any(await self._fan_out("abort_weight_update"))
-
-    async def shutdown_weight_transfer_engine(self) -> None:
-        await self._fan_out("shutdown_weight_transfer_engine")
-
-    async def update_weight_version(self, new_version: str) -> None:
-        await self._fan_out("update_weight_version", new_version)
-
-    def _agreed_version(self, method: str, versions: list[str | None]) -> str | None:
-        if len(set(versions)) > 1:
-            serving = ", ".join(f"engine {i} serves {v!r}" for i, v in enumerate(versions))
-            raise WeightVersionMismatchError(f"{method}: the engines of the group disagree: {serving}")
-        return versions[0]
-
-    async def get_weight_version(self) -> str | None:
-        """The version every engine serves; WeightVersionMismatchError if they differ."""
-        return self._agreed_version("get_weight_version", await self._fan_out("get_weight_version"))
-
-    async def weight_info(self, model: str = "target") -> dict:
+    async def weight_info(self, model: str = "target") -> dict[str, Any]:
         """Engine 0's weight_info (of `model`: "target" or "draft"), once every engine is checked to serve the
         same version, with every engine's in `engines` (each has its tensor-parallel ranks' slices under "ranks")."""
         infos = await self._fan_out("weight_info", model)
-        self._agreed_version("weight_info", [info["weight_version"] for info in infos])
+        versions = [info["weight_version"] for info in infos]
+        if len(set(versions)) > 1:
+            raise self._disagreement("weight_info", versions)
         return {**infos[0], "engines": infos}
 
-    async def weight_checker(self, baseline: dict | None = None, model: str = "target") -> dict:
+    async def weight_checker(self, baseline: dict[str, Any] | None = None, model: str = "target") -> dict[str, Any]:
         """Engine 0's report with `match` true only if every engine matches the baseline,
         `consistent` whether the engines agree on every weight they hold in common (under expert
         parallelism each holds other experts), and every report in `engines`."""
@@ -524,19 +504,11 @@ class RolloutGroup:
     def get_metrics_snapshot(self) -> dict:
         return self.metrics.snapshot()
 
-    async def fault_tolerance_status(self) -> dict:
+    async def fault_tolerance_status(self) -> FaultToleranceStatus:
         """The worst engine's status ("dead" > "unhealthy" > "healthy"), with each engine's in `engines`."""
         statuses = await self._fan_out("fault_tolerance_status")
         worst = max(statuses, key=lambda s: _HEALTH_ORDER.get(s["status"], 0))
         return {"status": worst["status"], "enabled": worst["enabled"], "engines": statuses}
-
-    async def apply_fault_tolerance_instruction(self, instruction: str) -> None:
-        """Sends the instruction to every engine ("retry" is a no-op on a healthy one)."""
-        await self._fan_out("apply_fault_tolerance_instruction", instruction)
-
-    async def inject_fault(self, kind: str = "step") -> None:
-        """Tests only: every engine's next step raises."""
-        await self._fan_out("inject_fault", kind)
 
     def shutdown(self) -> None:
         """Stops every engine; waiting callers get EngineDeadError."""

@@ -11,7 +11,7 @@ It is an AsyncLLM (the engine in this process with multiprocess=False, or in its
 with multiprocess=True: same API), or with data_parallel_size=N a RolloutGroup of N of them,
 driven by a private event loop in a background thread, so plain scripts call the sync methods
 and asyncio code awaits `agenerate` / iterates `astream` from its own loop. The control methods
-have the names of the HTTP routes.
+are the ones declared in engine/control.py (EngineControls), blocking, with the names of the HTTP routes.
 
 A trainer driver runs workers as Ray actors and syncs them all through one client:
 
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Coroutine, Sequence, TypeV
 from tqdm.auto import tqdm
 
 from engine.async_llm import AsyncLLM
+from engine.control import Control, forward_controls
 from engine.outputs import RequestOutput
 from engine.processor import PromptType
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -49,6 +50,7 @@ class _Failed:
         self.error = error
 
 
+@forward_controls(asynchronous=False)
 class RolloutWorker:
     """`RolloutWorker(model=DIR, *, multiprocess=False, data_parallel_size=1, **engine_args)`; engine_args as for LLM.
 
@@ -65,7 +67,7 @@ class RolloutWorker:
         data_parallel_size: int = 1,
         **engine_args: Any,
     ) -> None:
-        if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+        if type(data_parallel_size) is not int or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be a positive int, got {data_parallel_size!r}")
         self._ids = itertools.count()
         self._loop = asyncio.new_event_loop()
@@ -263,82 +265,11 @@ class RolloutWorker:
         finally:
             future.cancel()  # a no-op once finished; else the request is aborted
 
-    def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Aborts running requests by id (their outputs end with finish_reason "abort"); returns those found."""
-        return self._run(self.engine.abort_requests(list(request_ids)))
+    # ---- RL controls: every control declared in engine/control.py, blocking ---------------------
 
-    # ---- controls (the names of the HTTP routes) ---------------------------------------------
-
-    def pause(self, mode: str = "abort") -> None:
-        """"abort" ends in-flight requests, "wait" returns once they finish, "keep" freezes them."""
-        self._run(self.engine.pause(mode))
-
-    def resume(self) -> None:
-        self._run(self.engine.resume())
-
-    def is_paused(self) -> bool:
-        return self._run(self.engine.is_paused())
-
-    def sleep(self, level: int = 1) -> None:
-        self._run(self.engine.sleep(level))
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        self._run(self.engine.wake_up(tags))
-
-    def is_sleeping(self) -> bool:
-        return self._run(self.engine.is_sleeping())
-
-    def prepare_elastic_ep(self, new_data_parallel_size: int, drain_timeout_s: float | None = None) -> dict:
-        """A lockstep group only (rollout/elastic_ep.py): reconfigures for the new engine count, routing to it after commit."""
-        return self._run(self._group("prepare_elastic_ep").prepare_elastic_ep(new_data_parallel_size, drain_timeout_s))
-
-    def commit_elastic_ep(self, ready_timeout_s: float | None = None) -> dict:
-        """Finalizes prepare_elastic_ep: every engine of the new size serves, the group resumes."""
-        return self._run(self._group("commit_elastic_ep").commit_elastic_ep(ready_timeout_s))
-
-    def _group(self, method: str):
-        if not hasattr(self.engine, method):
-            raise ValueError(f"{method}: needs a lockstep data-parallel group (data_parallel_size > 1, "
-                             "enable_expert_parallel)")
-        return self.engine
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self._run(self.engine.init_weight_transfer_engine(init_info))
-
-    def start_weight_update(self) -> None:
-        self._run(self.engine.start_weight_update())
-
-    def update_weights(self, update_info: dict) -> None:
-        self._run(self.engine.update_weights(update_info))
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._run(self.engine.finish_weight_update(weight_version))
-
-    def abort_weight_update(self) -> bool:
-        """Ends an update in progress and restores the weights of before it; False if none was in progress."""
-        return self._run(self.engine.abort_weight_update())
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self._run(self.engine.shutdown_weight_transfer_engine())
-
-    def update_weight_version(self, new_version: str) -> None:
-        self._run(self.engine.update_weight_version(new_version))
-
-    def get_weight_version(self) -> str | None:
-        return self._run(self.engine.get_weight_version())
-
-    def weight_info(self, model: str = "target") -> dict:
-        """model: "target", or "draft" (speculative decoding's draft model)."""
-        return self._run(self.engine.weight_info(model))
-
-    def weight_checker(self, baseline: dict | None = None, model: str = "target") -> dict:
-        return self._run(self.engine.weight_checker(baseline, model))
-
-    def reset_prefix_cache(self) -> bool:
-        return self._run(self.engine.reset_prefix_cache())
-
-    def get_world_size(self) -> int:
-        return self._run(self.engine.get_world_size())
+    def _forward_control(self, declared: Control, args: tuple) -> Any:
+        """The engine's (AsyncLLM's or RolloutGroup's) control of the same name, run on the worker's loop."""
+        return self._run(getattr(self.engine, declared.name)(*args))
 
     def get_metrics_snapshot(self) -> dict:
         return self.engine.get_metrics_snapshot()

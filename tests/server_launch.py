@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository (this file is in tests/)
 _READY = re.compile(r"^rollout: serving (\S+) at (http://\S+)$")
 STARTUP_TIMEOUT_S = 180.0
 

@@ -2,9 +2,10 @@
 
 Both adapters give what trainers.common, trainers.rollouts and trainers.async_rollouts use:
 generate(prompts, params, use_tqdm=False) -> RequestOutputs with the sampled tokens' logprobs
-and weight_versions spans, agenerate(prompt, params), tokenizer, pause/resume, sleep/wake_up,
-get_weight_version, weight_checker, weight_sync_client() (the weight_transfer client that
-reaches the same engine) and shutdown().
+and weight_versions spans, agenerate(prompt, params), tokenizer, the controls of
+engine/control.py (pause/resume, sleep/wake_up, get_weight_version, weight_checker...; over HTTP
+those with a route), weight_sync_client() (the weight_transfer client that reaches the same
+engine) and shutdown().
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import msgspec
 
 from engine import SamplingParams
+from engine.control import Control, forward_controls, http_request, http_result
 from weight_transfer.clients import HTTPWeightSyncClient, RayWeightSyncClient
 
 # SamplingParams fields that never travel over HTTP: the adapter's own choices or engine internals.
@@ -126,6 +128,7 @@ def _check(response, path: str) -> dict:
     raise error(f"{path}: HTTP {response.status_code}: {message}")
 
 
+@forward_controls(asynchronous=False, include=lambda declared: declared.route is not None)
 class HTTPRolloutEngine:
     """A `rollout launch --enable-rl-routes` server as a rollout worker; one /v1/completions request per prompt.
 
@@ -172,37 +175,14 @@ class HTTPRolloutEngine:
             response = await http.post("/v1/completions", json=body)
         return request_output(_check(response, "/v1/completions"), prompt)
 
-    # ---- control: the RL routes -----------------------------------------------------------------
+    # ---- controls: every control with an HTTP route (engine/control.py) -------------------------
 
-    def pause(self, mode: str = "abort") -> None:
-        self._weights.pause(mode)
-
-    def resume(self) -> None:
-        self._weights.resume()
-
-    def is_paused(self) -> bool:
-        return bool(_check(self._http.get("/is_paused"), "/is_paused")["is_paused"])
-
-    def sleep(self, level: int = 1) -> None:
-        _check(self._http.post("/sleep", params={"level": level}), "/sleep")
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        _check(self._http.post("/wake_up", params={"tags": tags} if tags else None), "/wake_up")
-
-    def is_sleeping(self) -> bool:
-        return bool(_check(self._http.get("/is_sleeping"), "/is_sleeping")["is_sleeping"])
-
-    def get_weight_version(self) -> str | None:
-        return self._weights.get_weight_version()
-
-    def weight_info(self) -> dict:
-        return self._weights.weight_info()
-
-    def weight_checker(self, baseline: dict | None = None) -> dict:
-        return self._weights.weight_checker(baseline)
-
-    def get_world_size(self) -> int:
-        return self._weights.get_world_size()
+    def _forward_control(self, declared: Control, args: tuple) -> Any:
+        """The control's RL route; the weight-sync calls through the HTTPWeightSyncClient (WeightSyncError on failure)."""
+        if declared.weight_sync:
+            return getattr(self._weights, declared.name)(*args)
+        verb, path, query, body = http_request(declared, args)
+        return http_result(declared, _check(self._http.request(verb, path, params=query or None, json=body), path))
 
     def weight_sync_client(self) -> HTTPWeightSyncClient:
         """A client of this server's RL routes for a weight sync (its own connection pool)."""
@@ -225,6 +205,7 @@ def _ray_env() -> dict:
     return {"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}}
 
 
+@forward_controls(asynchronous=False)
 class RayRolloutEngine:
     """A RolloutWorker Ray actor as a rollout worker: each call is the actor's method, awaited with ray.get.
 
@@ -272,35 +253,10 @@ class RayRolloutEngine:
             ray.cancel(ref)
             raise
 
-    def pause(self, mode: str = "abort") -> None:
-        self._call("pause", mode)
+    # ---- controls: every control declared in engine/control.py, the actor's method ---------------
 
-    def resume(self) -> None:
-        self._call("resume")
-
-    def is_paused(self) -> bool:
-        return self._call("is_paused")
-
-    def sleep(self, level: int = 1) -> None:
-        self._call("sleep", level)
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        self._call("wake_up", tags)
-
-    def is_sleeping(self) -> bool:
-        return self._call("is_sleeping")
-
-    def get_weight_version(self) -> str | None:
-        return self._call("get_weight_version")
-
-    def weight_info(self) -> dict:
-        return self._call("weight_info")
-
-    def weight_checker(self, baseline: dict | None = None) -> dict:
-        return self._call("weight_checker", baseline)
-
-    def get_world_size(self) -> int:
-        return self._call("get_world_size")
+    def _forward_control(self, declared: Control, args: tuple) -> Any:
+        return self._call(declared.name, *args)
 
     def weight_sync_client(self) -> RayWeightSyncClient:
         return RayWeightSyncClient([self.actor], timeout=self.timeout)

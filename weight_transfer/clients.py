@@ -21,17 +21,28 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any, Callable
 
+from engine.control import CONTROLS, Combine, Control, combine_answers, forward_controls, http_request, http_result
+
 
 class WeightSyncError(RuntimeError):
     """An engine refused or failed a weight-sync call; the message is the engine's."""
 
 
+@forward_controls(asynchronous=False, include=lambda declared: declared.weight_sync)
 class WeightSyncClient(ABC):
-    """The engine-side calls a trainer needs for one weight sync; one engine or a fan-out to several."""
+    """The engine-side calls a trainer needs for one weight sync; one engine or a fan-out to several.
+
+    Its control methods are those of engine/control.py marked weight_sync (pause, resume, the weight
+    lifecycle, versions, weight_info, weight_checker, get_world_size), with the declared signatures;
+    each becomes `_call(name, *args)` with every argument in declared order.
+    """
 
     @abstractmethod
     def _call(self, method: str, *args: Any) -> Any:
-        """Runs `method` on every engine; returns the first engine's result (per-engine list where noted)."""
+        """Runs `method` on every engine; returns the combined result (see each client)."""
+
+    def _forward_control(self, declared: Control, args: tuple) -> Any:
+        return self._call(declared.name, *args)
 
     def num_engines(self) -> int:
         return 1
@@ -44,62 +55,15 @@ class WeightSyncClient(ABC):
         """Engine workers in all, i.e. the receivers a transport must reach."""
         return sum(self.engine_world_sizes())
 
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self._call("init_weight_transfer_engine", init_info)
-
-    def start_weight_update(self) -> None:
-        self._call("start_weight_update")
-
-    def update_weights(self, update_info: dict) -> None:
-        self._call("update_weights", update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._call("finish_weight_update", weight_version)
-
-    def abort_weight_update(self) -> None:
-        """Ends an update in progress and restores the weights the engine had when it started."""
-        self._call("abort_weight_update")
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self._call("shutdown_weight_transfer_engine")
-
-    def get_weight_version(self) -> str | None:
-        return self._call("get_weight_version")
-
-    def weight_info(self, model: str | None = None) -> dict:
-        """model: "target" or "draft" (speculative decoding's draft model); None: the engine's default, the target."""
-        return self._call("weight_info", *_model_arg(model))
-
-    def weight_checker(self, baseline: dict | None = None, model: str | None = None) -> dict:
-        return self._call("weight_checker", baseline, *_model_arg(model))
-
     def for_model(self, model: str) -> WeightSyncClient:
         """This client aimed at one of the engine's models ("target" or "draft"): see ModelWeightSyncClient."""
         return ModelWeightSyncClient(self, model)
-
-    def pause(self, mode: str = "abort") -> None:
-        self._call("pause", mode)
-
-    def resume(self) -> None:
-        self._call("resume")
 
     def close(self) -> None:
         """Releases the client's own resources (connections); the engines keep running."""
 
 
 # ---------------------------------------------------------------------------------------
-
-
-_POST = {
-    "init_weight_transfer_engine": ("/init_weight_transfer_engine", lambda a: {"init_info": a[0]}),
-    "start_weight_update": ("/start_weight_update", lambda a: None),
-    "update_weights": ("/update_weights", lambda a: {"update_info": a[0]}),
-    "finish_weight_update": ("/finish_weight_update", lambda a: {"weight_version": a[0]}),
-    "abort_weight_update": ("/abort_weight_update", lambda a: None),
-    "shutdown_weight_transfer_engine": ("/shutdown_weight_transfer_engine", lambda a: None),
-    "weight_checker": ("/weight_checker", lambda a: {"baseline": a[0], **({"model": a[1]} if len(a) > 1 else {})}),
-    "resume": ("/resume", lambda a: None),
-}
 
 
 class HTTPWeightSyncClient(WeightSyncClient):
@@ -114,22 +78,11 @@ class HTTPWeightSyncClient(WeightSyncClient):
         self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
 
     def _call(self, method: str, *args: Any) -> Any:
-        if method == "get_world_size":
-            return self._get("/get_world_size")["world_size"]
-        if method == "get_weight_version":
-            return self._get("/weight_info")["weight_version"]
-        if method == "weight_info":
-            return self._get("/weight_info", params={"model": args[0]} if args else None)
-        if method == "pause":
-            return self._post("/pause", None, params={"mode": args[0]})
-        path, body = _POST[method]
-        return self._post(path, body(args))
-
-    def _get(self, path: str, params: dict | None = None) -> Any:
-        return self._check(self._http.get(path, params=params), path)
-
-    def _post(self, path: str, body: dict | None, params: dict | None = None) -> Any:
-        return self._check(self._http.post(path, json=body, params=params), path)
+        """The control's route (engine/control.py: its Route says verb, path, query and answer)."""
+        declared = CONTROLS[method]
+        verb, path, query, body = http_request(declared, args)
+        response = self._http.request(verb, path, params=query or None, json=body)
+        return http_result(declared, self._check(response, path))
 
     @staticmethod
     def _check(response, path: str) -> Any:
@@ -215,6 +168,8 @@ class RayWeightSyncClient(WeightSyncClient):
         return results
 
     def _call(self, method: str, *args: Any) -> Any:
+        """Every actor's answer, combined by the control's rule (engine/control.py); engine 0's for the
+        controls a group combines its own way."""
         if method == "init_weight_transfer_engine" and "rank_offset" in args[0]:
             offsets, next_offset = [], int(args[0]["rank_offset"])
             for size in self.engine_world_sizes():
@@ -222,9 +177,11 @@ class RayWeightSyncClient(WeightSyncClient):
                 next_offset += size
             return self._gather(method, per_engine=offsets)[0]
         results = self._gather(method, *args)
-        if method == "get_weight_version" and len(set(results)) > 1:
-            raise WeightSyncError(f"get_weight_version: engines disagree: {results}")
-        return results[0]
+        declared = CONTROLS[method]
+        if declared.combine is Combine.OWN:
+            return results[0]
+        return combine_answers(declared, results,
+                               lambda answers: WeightSyncError(f"{method}: engines disagree: {answers}"))
 
 
 class ModelWeightSyncClient(WeightSyncClient):
@@ -248,18 +205,15 @@ class ModelWeightSyncClient(WeightSyncClient):
         return self.client.engine_world_sizes()
 
     def _call(self, method: str, *args: Any) -> Any:
-        if method in ("init_weight_transfer_engine", "update_weights"):
-            args = ({**args[0], "model": self.model}, *args[1:])
-        elif method == "weight_info":
-            args = (self.model,)
-        elif method == "weight_checker":
-            args = (args[0], self.model)
-        return self.client._call(method, *args)
-
-
-def _model_arg(model: str | None) -> tuple:
-    """The model argument of weight_info / weight_checker, left out when not given (an engine of before it takes none)."""
-    return () if model is None else (model,)
+        names = CONTROLS[method].arg_names() if method in CONTROLS else []
+        aimed = []
+        for name, value in zip(names, args):
+            if name == "model":
+                value = self.model
+            elif name in ("init_info", "update_info"):
+                value = {**value, "model": self.model}
+            aimed.append(value)
+        return self.client._call(method, *aimed, *args[len(aimed):])
 
 
 # ---------------------------------------------------------------------------------------

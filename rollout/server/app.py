@@ -8,13 +8,18 @@ import time
 import uuid
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Protocol
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from engine.async_llm import Admission
+from engine.config import EngineConfig
+from engine.control import EngineControls
 from engine.exceptions import EngineDeadError
 from engine.outputs import RequestOutput
+from engine.processor import Processor, PromptType
+from engine.sampling_params import SamplingParams
 from rollout.server import formatting as F
 from rollout.server import protocol as P
 from rollout.server.config import ServerConfig
@@ -28,7 +33,7 @@ from rollout.server.middleware import (
     StrictJSONRoute,
 )
 from rollout.server.openapi import error_responses, install_openapi
-from rollout.server.rl_routes import fault_tolerance_router, rl_router
+from rollout.server.rl_routes import control_routers
 from rollout.server.streams import first_outputs, merge_streams, run_until_disconnect
 
 logger = logging.getLogger(__name__)
@@ -36,9 +41,35 @@ logger = logging.getLogger(__name__)
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+class ServedEngine(EngineControls, Protocol):
+    """What the server needs of its engine, an AsyncLLM or a RolloutGroup: the declared controls
+    (engine/control.py) plus generation, admission, health and metrics."""
+
+    config: EngineConfig
+    model_name: str
+    tokenizer: Any
+    processor: Processor
+
+    @property
+    def is_dead(self) -> bool: ...
+
+    def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None,
+                 priority: int = 0, admission: Admission | None = None) -> AsyncIterator[RequestOutput]: ...
+
+    def admit(self, num_requests: int) -> Admission: ...
+
+    def check_admission(self, num_requests: int, num_prompt_tokens: int = 0) -> None: ...
+
+    async def check_health(self) -> None: ...
+
+    def prometheus_text(self) -> bytes: ...
+
+    def shutdown(self) -> None: ...
+
+
 @dataclass
 class ServerState:
-    engine: Any  # engine.async_llm.AsyncLLM
+    engine: ServedEngine
     config: ServerConfig
     model_name: str
     max_model_len: int
@@ -241,7 +272,7 @@ def _chat_prompt(body: P.ChatCompletionRequest) -> dict:
 # ---------------------------------------------------------------------------- app
 
 
-def build_app(engine, server_config: ServerConfig, model_name: str | None = None) -> FastAPI:
+def build_app(engine: ServedEngine, server_config: ServerConfig, model_name: str | None = None) -> FastAPI:
     """The server's FastAPI app over `engine` (an AsyncLLM, or a RolloutGroup of them); `model_name` overrides the served name."""
     name = server_config.served_model_name or model_name or engine.model_name
     state = ServerState(engine, server_config, name, engine.config.model.max_model_len)
@@ -251,12 +282,15 @@ def build_app(engine, server_config: ServerConfig, model_name: str | None = None
     open_router = _open_routes(state)
     app.include_router(open_router)
     app.include_router(_api_routes(state))
-    # Control routes exist only when asked for (DESIGN.md: RL and weight routes are off by default).
+    # Control routes exist only when asked for (docs/architecture.md: RL and weight routes are off by default).
+    routers = control_routers(engine, checks={"init_weight_transfer_engine": _backend_check(server_config)})
     if server_config.enable_rl_routes:
-        app.include_router(rl_router(engine, server_config.weight_transfer_backend))
+        app.include_router(routers["rl"])
         app.include_router(elastic_router(engine))
     if engine.config.fault_tolerance.enable_fault_tolerance:
-        app.include_router(fault_tolerance_router(engine))
+        app.include_router(routers["fault_tolerance"])
+        if engine.config.fault_tolerance.enable_fault_injection:  # tests only
+            app.include_router(routers["fault_injection"])
 
     # Middleware, outermost last: every failure is a JSON answer; the key is checked before any
     # body is read; a body over its limit is refused before a route parses it.
@@ -274,6 +308,19 @@ def build_app(engine, server_config: ServerConfig, model_name: str | None = None
     app.add_middleware(CatchAllMiddleware)
     install_openapi(app, is_protected=lambda path: server_config.api_key is not None and path not in open_paths)
     return app
+
+
+def _backend_check(server_config: ServerConfig):
+    """init_weight_transfer_engine's check that init_info names the backend --weight-transfer-backend allows (if set)."""
+    allowed = server_config.weight_transfer_backend
+
+    def check(arguments: dict) -> None:
+        backend = arguments["init_info"].get("backend")
+        if allowed is not None and backend != allowed:
+            raise ValueError(f"init_info.backend: this server takes weight_transfer_backend {allowed!r} "
+                             f"(--weight-transfer-backend), got {backend!r}")
+
+    return check
 
 
 def _version() -> str:

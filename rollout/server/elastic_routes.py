@@ -13,6 +13,7 @@ from __future__ import annotations
 from fastapi import APIRouter, HTTPException
 from pydantic import Field
 
+from engine.control import group_only_error
 from rollout.elastic_ep import ElasticEPStateError
 from rollout.server.middleware import StrictJSONRoute
 from rollout.server.openapi import error_responses
@@ -37,10 +38,11 @@ def elastic_router(engine) -> APIRouter:
     router = APIRouter(prefix="/elastic_ep", tags=["elastic_ep"], route_class=StrictJSONRoute,
                        responses=error_responses(400, 409, 503, 504))
 
+    # prepare and commit are declared controls (engine/control.py, Where.GROUP): a single engine refuses
+    # them with a ValueError (400). The state is the group's alone.
     def group():
-        if not hasattr(engine, "prepare_elastic_ep"):
-            raise ValueError("elastic EP needs a lockstep data-parallel group: launch with --data-parallel-size > 1 "
-                             "and --enable-expert-parallel")
+        if getattr(engine, "elastic_ep_state", None) is None:
+            raise group_only_error("elastic_ep")
         return engine
 
     async def call(coro) -> dict:
@@ -53,11 +55,11 @@ def elastic_router(engine) -> APIRouter:
 
     @router.post("/prepare")
     async def prepare(body: PrepareElasticEPRequest) -> dict:
-        return await call(group().prepare_elastic_ep(body.new_data_parallel_size, body.drain_timeout_s))
+        return await call(engine.prepare_elastic_ep(body.new_data_parallel_size, body.drain_timeout_s))
 
     @router.post("/commit")
     async def commit(body: CommitElasticEPRequest | None = None) -> dict:
-        return await call(group().commit_elastic_ep(body.ready_timeout_s if body is not None else None))
+        return await call(engine.commit_elastic_ep(body.ready_timeout_s if body is not None else None))
 
     @router.get("")
     async def state() -> dict:

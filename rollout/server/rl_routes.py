@@ -1,247 +1,170 @@
-"""The RL control routes (pause/resume, sleep/wake_up, aborts, weight updates) and the fault-tolerance routes.
+"""The RL control routes (pause/resume, sleep/wake_up, aborts, weight updates, fault tolerance), built from the control declaration.
 
-Each route is a thin adapter over the AsyncLLM method of the same name. Bodies are JSON only
-(nothing from the network is unpickled); unknown or missing fields and bad values are a 400
-naming the field, and the engine validates before it changes any state. build_app mounts
-these routers only when enabled (--enable-rl-routes, --enable-fault-tolerance), behind the
+Every control of engine/control.py with a `Route` becomes one route over the engine's method
+of the same name: its arguments as query parameters or as a JSON body (a typed model, unknown
+fields refused), its answer the result under the route's `field`, joined by the answers of the
+route's `then` controls. Nothing from the network is unpickled; bad values are a 400 naming the
+field, and the engine validates before it changes any state. build_app mounts each router only
+when enabled (--enable-rl-routes, --enable-fault-tolerance, --enable-fault-injection), behind the
 API key like the OpenAI routes.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import inspect
+import types
+import typing
+from typing import Any, Callable, Literal, Union, get_args, get_origin
 
+import pydantic
 from fastapi import APIRouter, Query
 
+from engine.control import CONTROLS, Control, arg_info
 from rollout.server.middleware import StrictJSONRoute
 from rollout.server.openapi import error_responses
 from rollout.server.protocol import RequestModel, ResponseModel
 
-# ---------------------------------------------------------------------------- bodies
-
-
-class AbortRequestsRequest(RequestModel):
-    request_ids: list[str]
-    """Request ids to abort: a response's `id` (the i-th prompt of a batched completion is `id-i`)."""
-
-
-class InitWeightTransferRequest(RequestModel):
-    init_info: dict[str, Any]
-    """Backend settings for the engine-side receiver (JSON), e.g. {"backend": "local"}; with "model": "draft"
-    the receiver of speculative decoding's draft model (default "target")."""
-
-
-class UpdateWeightsRequest(RequestModel):
-    update_info: dict[str, Any]
-    """One update for the receiver; for the local backend {"weights": [{"name", "dtype", "shape", "data_b64"}]};
-    with "model": "draft" it lands in speculative decoding's draft model (default "target")."""
-
-
-class FinishWeightUpdateRequest(RequestModel):
-    weight_version: str | None = None
-    """The version the new weights serve under; None keeps the engine's own numbering."""
-
-
-class UpdateWeightVersionRequest(RequestModel):
-    new_version: str
-    """The version label outputs are tagged with from now on."""
-
-
-class WeightCheckerRequest(RequestModel):
-    baseline: dict[str, Any] | None = None
-    """Checksums computed trainer-side to compare against; None just reports the engine's."""
-    model: str = "target"
-    """Which model's weights: "target" (the served model) or "draft" (speculative decoding's draft model)."""
-
-
-class FaultToleranceApplyRequest(RequestModel):
-    instruction: str
-    """What the engine should do now, e.g. "retry"."""
-
-
-# ---------------------------------------------------------------------------- answers
-
-
-class IsPausedResponse(ResponseModel):
-    is_paused: bool
-
-
-class IsSleepingResponse(ResponseModel):
-    is_sleeping: bool
-
-
-class AbortRequestsResponse(ResponseModel):
-    aborted: list[str]
-    """The ids that were running (unknown or finished ids are left out)."""
-
-
-class EmptyResponse(ResponseModel):
-    """An empty JSON object: the call succeeded."""
-
-
-class WeightVersionResponse(ResponseModel):
-    weight_version: str | None
-
-
-class AbortWeightUpdateResponse(ResponseModel):
-    aborted: bool
-    """Whether an update was in progress (its changes are undone)."""
-    weight_version: str | None
-
-
-class ResetPrefixCacheResponse(ResponseModel):
-    reset: bool
-
-
-class WorldSizeResponse(ResponseModel):
-    world_size: int
-
-
-class FaultToleranceStatusResponse(ResponseModel):
-    status: str
-    """healthy, unhealthy or dead."""
-    enabled: bool
-    """Whether the engine runs with fault tolerance (--enable-fault-tolerance)."""
-
-
-class FaultToleranceApplyResponse(FaultToleranceStatusResponse):
-    instruction: str
-
-
-class InjectResponse(ResponseModel):
-    injected: bool
-
-
-# ---------------------------------------------------------------------------- routers
-
 # The engine answers 503 when it is dead (and, for some calls, asleep or paused).
-_ENGINE = error_responses(503)
-# Weight-update calls: the trainer side of a transfer failed (502; the previous weights serve again).
-_TRANSFER = error_responses(502, 503)
+_ENGINE_ERRORS = (503,)
+_ROUTERS = {
+    "rl": dict(tags=["rl"]),
+    "fault_tolerance": dict(tags=["fault_tolerance"]),
+    "fault_injection": dict(tags=["fault_tolerance"]),
+}
+
+# A check the server adds before a control runs (e.g. the backend --weight-transfer-backend allows),
+# given the control's arguments by name; it raises ValueError (400) to refuse.
+Check = Callable[[dict[str, Any]], None]
 
 
-def rl_router(engine, weight_transfer_backend: str | None = None) -> APIRouter:
-    """The RL control routes over `engine` (an AsyncLLM)."""
-    router = APIRouter(tags=["rl"], route_class=StrictJSONRoute, responses=_ENGINE)
-
-    @router.post("/pause")
-    async def pause(mode: str = "abort") -> IsPausedResponse:
-        await engine.pause(mode)
-        return IsPausedResponse(is_paused=True)
-
-    @router.post("/resume")
-    async def resume() -> IsPausedResponse:
-        await engine.resume()
-        return IsPausedResponse(is_paused=False)
-
-    @router.get("/is_paused")
-    async def is_paused() -> IsPausedResponse:
-        return IsPausedResponse(is_paused=await engine.is_paused())
-
-    @router.post("/sleep")
-    async def sleep(level: Annotated[int, Query(ge=0, le=2)] = 1) -> IsSleepingResponse:
-        await engine.sleep(level)
-        return IsSleepingResponse(is_sleeping=True)
-
-    @router.post("/wake_up")
-    async def wake_up(tags: list[str] | None = Query(default=None)) -> IsSleepingResponse:
-        await engine.wake_up(tags)
-        return IsSleepingResponse(is_sleeping=await engine.is_sleeping())
-
-    @router.get("/is_sleeping")
-    async def is_sleeping() -> IsSleepingResponse:
-        return IsSleepingResponse(is_sleeping=await engine.is_sleeping())
-
-    @router.post("/abort_requests")
-    async def abort_requests(body: AbortRequestsRequest) -> AbortRequestsResponse:
-        return AbortRequestsResponse(aborted=await engine.abort_requests(body.request_ids))
-
-    # 504: the trainer's rendezvous did not answer within init_info's timeout_s.
-    @router.post("/init_weight_transfer_engine", responses=error_responses(504))
-    async def init_weight_transfer_engine(body: InitWeightTransferRequest) -> EmptyResponse:
-        backend = body.init_info.get("backend")
-        if weight_transfer_backend is not None and backend != weight_transfer_backend:
-            raise ValueError(
-                f"init_info.backend: this server takes weight_transfer_backend {weight_transfer_backend!r} "
-                f"(--weight-transfer-backend), got {backend!r}"
-            )
-        await engine.init_weight_transfer_engine(body.init_info)
-        return EmptyResponse()
-
-    @router.post("/start_weight_update", responses=_TRANSFER)
-    async def start_weight_update() -> EmptyResponse:
-        await engine.start_weight_update()
-        return EmptyResponse()
-
-    @router.post("/update_weights", responses=_TRANSFER)
-    async def update_weights(body: UpdateWeightsRequest) -> EmptyResponse:
-        await engine.update_weights(body.update_info)
-        return EmptyResponse()
-
-    @router.post("/finish_weight_update", responses=_TRANSFER)
-    async def finish_weight_update(body: FinishWeightUpdateRequest | None = None) -> WeightVersionResponse:
-        await engine.finish_weight_update(body.weight_version if body is not None else None)
-        return WeightVersionResponse(weight_version=await engine.get_weight_version())
-
-    @router.post("/abort_weight_update")
-    async def abort_weight_update() -> AbortWeightUpdateResponse:
-        aborted = await engine.abort_weight_update()
-        return AbortWeightUpdateResponse(aborted=bool(aborted), weight_version=await engine.get_weight_version())
-
-    @router.post("/shutdown_weight_transfer_engine")
-    async def shutdown_weight_transfer_engine() -> EmptyResponse:
-        await engine.shutdown_weight_transfer_engine()
-        return EmptyResponse()
-
-    @router.post("/update_weight_version")
-    async def update_weight_version(body: UpdateWeightVersionRequest) -> WeightVersionResponse:
-        await engine.update_weight_version(body.new_version)
-        return WeightVersionResponse(weight_version=await engine.get_weight_version())
-
-    @router.get("/get_weight_version")
-    async def get_weight_version() -> WeightVersionResponse:
-        return WeightVersionResponse(weight_version=await engine.get_weight_version())
-
-    @router.get("/weight_info")
-    async def weight_info(model: str = "target") -> dict[str, Any]:  # ?model=draft: speculative decoding's draft model
-        return await engine.weight_info(model)
-
-    @router.post("/weight_checker")
-    async def weight_checker(body: WeightCheckerRequest | None = None) -> dict[str, Any]:
-        body = body if body is not None else WeightCheckerRequest()
-        return await engine.weight_checker(body.baseline, body.model)
-
-    @router.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> ResetPrefixCacheResponse:
-        return ResetPrefixCacheResponse(reset=bool(await engine.reset_prefix_cache()))
-
-    @router.get("/get_world_size")
-    async def get_world_size() -> WorldSizeResponse:
-        return WorldSizeResponse(world_size=await engine.get_world_size())
-
-    return router
+def control_routers(engine, *, checks: dict[str, Check] | None = None) -> dict[str, APIRouter]:
+    """{router name: APIRouter} of every declared control's route over `engine` (an AsyncLLM or RolloutGroup)."""
+    routers = {name: APIRouter(route_class=StrictJSONRoute, **options) for name, options in _ROUTERS.items()}
+    for declared in CONTROLS.values():
+        if declared.route is not None:
+            _add_route(routers[declared.route.router], engine, declared, (checks or {}).get(declared.name))
+    return routers
 
 
-def fault_tolerance_router(engine) -> APIRouter:
-    """/fault_tolerance/apply and /fault_tolerance/status over `engine` (an AsyncLLM)."""
-    router = APIRouter(prefix="/fault_tolerance", tags=["fault_tolerance"], route_class=StrictJSONRoute,
-                       responses=_ENGINE)
+def _add_route(router: APIRouter, engine, declared: Control, check: Check | None) -> None:
+    route = declared.route
+    query = [p for p in declared.params if route.verb == "GET" or p.name in route.query]
+    body = [p for p in declared.params if p not in query]
+    body_model = _body_model(declared, body) if body else None
+    body_optional = all(p.default is not inspect.Parameter.empty for p in body)
+    answer_model = _answer_model(declared)
 
-    @router.post("/apply", status_code=202)
-    async def apply(body: FaultToleranceApplyRequest) -> FaultToleranceApplyResponse:
-        await engine.apply_fault_tolerance_instruction(body.instruction)
-        return FaultToleranceApplyResponse(instruction=body.instruction, **await engine.fault_tolerance_status())
+    async def endpoint(**given: Any) -> Any:
+        arguments = {p.name: given[p.name] for p in query}
+        if body_model is not None:
+            sent = given["body"]
+            arguments.update({p.name: getattr(sent, p.name) if sent is not None else p.default for p in body})
+        if check is not None:
+            check(arguments)
+        args = tuple(arguments[name] for name in declared.arg_names())
+        return await _answer(engine, declared, args, arguments)
 
-    @router.get("/status")
-    async def status() -> FaultToleranceStatusResponse:
-        return FaultToleranceStatusResponse(**await engine.fault_tolerance_status())
+    parameters = [
+        inspect.Parameter(p.name, inspect.Parameter.KEYWORD_ONLY, annotation=_http_type(p.annotation),
+                          default=_query_default(p))
+        for p in query
+    ]
+    if body_model is not None:
+        parameters.append(inspect.Parameter(
+            "body", inspect.Parameter.KEYWORD_ONLY, annotation=body_model | None if body_optional else body_model,
+            default=None if body_optional else inspect.Parameter.empty))
+    endpoint.__signature__ = inspect.Signature(parameters, return_annotation=answer_model)
+    endpoint.__name__ = declared.name
+    endpoint.__doc__ = declared.doc
+    router.add_api_route(
+        route.path or f"/{declared.name}", endpoint, methods=[route.verb], status_code=route.status_code,
+        response_model=answer_model, response_model_exclude_unset=True,  # an absent NotRequired key stays absent
+        responses=error_responses(*_ENGINE_ERRORS, *route.errors),
+        summary=declared.name.replace("_", " ").capitalize(),
+    )
 
-    if engine.config.fault_tolerance.enable_fault_injection:
-        # Tests only: mounted solely when the engine was started with --enable-fault-injection.
-        @router.post("/inject", status_code=202)
-        async def inject() -> InjectResponse:
-            await engine.inject_fault()
-            return InjectResponse(injected=True)
 
-    return router
+async def _answer(engine, declared: Control, args: tuple, arguments: dict[str, Any]) -> dict[str, Any]:
+    """The JSON answer: the result under the route's field (or a dict result as is), then each `then`
+    control's answer, the echoed arguments and the constant keys."""
+    route = declared.route
+    answer = dict(route.constant)
+    for name in route.echo:
+        answer[name] = arguments[name]
+    result = await getattr(engine, declared.name)(*args)
+    _join(answer, route.field, result)
+    for name in route.then:
+        _join(answer, CONTROLS[name].route.field, await getattr(engine, name)())
+    return answer
 
+
+def _join(answer: dict[str, Any], field: str | None, result: Any) -> None:
+    if field is not None:
+        answer[field] = result
+    elif isinstance(result, dict):
+        answer.update(result)
+
+
+# ---- types: the declaration's types as FastAPI/pydantic take them --------------------------------
+
+
+def _http_type(annotation: Any) -> Any:
+    """The declared type over HTTP. A Literal is sent as its values' type, so that the engine's own
+    check names the choices (as in Python) instead of a generic validation message."""
+    base, _ = arg_info(annotation)
+    if get_origin(base) is Literal:
+        return type(get_args(base)[0])
+    if get_origin(base) in (Union, types.UnionType):
+        return Union[tuple(_http_type(a) for a in get_args(base))]
+    return base
+
+
+def _constraints(annotation: Any) -> dict[str, Any]:
+    _, arg = arg_info(annotation)
+    if arg is None:
+        return {}
+    bounds = {"ge": arg.ge, "gt": arg.gt, "le": arg.le}
+    return {"description": arg.doc, **{k: v for k, v in bounds.items() if v is not None}}
+
+
+def _query_default(param: inspect.Parameter) -> Any:
+    default = ... if param.default is inspect.Parameter.empty else param.default
+    return Query(default, **_constraints(param.annotation))
+
+
+def _body_model(declared: Control, params: list[inspect.Parameter]) -> type[RequestModel]:
+    fields = {
+        p.name: (_http_type(p.annotation), pydantic.Field(
+            ... if p.default is inspect.Parameter.empty else p.default, **_constraints(p.annotation)))
+        for p in params
+    }
+    return pydantic.create_model(_camel(declared.name) + "Request", __base__=RequestModel, **fields)
+
+
+def _answer_model(declared: Control) -> Any:
+    """A typed model of the answer's keys, or dict[str, Any] when a dict result is part of it."""
+    route = declared.route
+    parts = [(route.field, declared)] + [(CONTROLS[name].route.field, CONTROLS[name]) for name in route.then]
+    fields: dict[str, Any] = {key: (type(value), ...) for key, value in route.constant}
+    fields.update({name: (_http_type(_param(declared, name).annotation), ...) for name in route.echo})
+    for field, source in parts:
+        returns = source.signature.return_annotation
+        if field is not None:
+            fields[field] = (_http_type(returns), ...)
+        elif typing.is_typeddict(returns):  # its keys join the answer
+            for key, value in typing.get_type_hints(returns, include_extras=True).items():
+                if typing.get_origin(value) is typing.NotRequired:  # left out of the answer when absent
+                    fields[key] = (typing.get_args(value)[0] | None, None)
+                else:
+                    fields[key] = (value, ...)
+        elif returns is not type(None):  # a dict result joins the answer: its keys are the engine's
+            return dict[str, Any]
+    return pydantic.create_model(_camel(declared.name) + "Response", __base__=ResponseModel, **fields)
+
+
+def _param(declared: Control, name: str) -> inspect.Parameter:
+    return next(p for p in declared.params if p.name == name)
+
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))
