@@ -157,7 +157,7 @@ class ParallelConfig:
                 "ray_placement_strategy must be PACK, STRICT_PACK, SPREAD or STRICT_SPREAD, "
                 f"got {self.ray_placement_strategy!r}"
             )
-        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+        if type(self.tensor_parallel_size) is not int \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {self.tensor_parallel_size!r}")
         if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
@@ -166,14 +166,14 @@ class ParallelConfig:
             )
         for name in ("data_parallel_size", "dp_sync_interval"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if isinstance(self.data_parallel_rank, bool) or not isinstance(self.data_parallel_rank, int) \
+        if type(self.data_parallel_rank) is not int \
                 or not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(
                 f"data_parallel_rank must be in [0, {self.data_parallel_size}), got {self.data_parallel_rank!r}"
             )
-        if isinstance(self.data_parallel_master_port, bool) or not isinstance(self.data_parallel_master_port, int) \
+        if type(self.data_parallel_master_port) is not int \
                 or not 0 <= self.data_parallel_master_port < 65535:
             raise ValueError(f"data_parallel_master_port must be a port number, got {self.data_parallel_master_port!r}")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
@@ -291,7 +291,7 @@ def parse_speculative_config(raw: dict | None) -> SpecDecodeSettings | None:
     if unknown:
         raise ValueError(f"speculative_config: unknown keys for method {method!r}: {unknown}")
     k = raw.get("num_speculative_tokens")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
+    if type(k) is not int or not 1 <= k <= 16:
         raise ValueError(f"speculative_config: num_speculative_tokens must be an int in [1, 16], got {k!r}")
     settings = SpecDecodeSettings(method=method, num_speculative_tokens=k)
     if method == "ngram":

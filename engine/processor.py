@@ -62,7 +62,7 @@ class Processor:
         # up front instead of fanning out (and holding) that many requests.
         if params.n > self.max_num_seqs:
             raise ValueError(f"n must be at most max_num_seqs={self.max_num_seqs}, got {params.n}")
-        if isinstance(priority, bool) or not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
+        if type(priority) is not int or not INT64_MIN <= priority <= INT64_MAX:
             raise ValueError(f"priority: expected an int that fits in 64 bits, got {priority!r}")
 
     def process(

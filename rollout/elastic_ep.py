@@ -113,7 +113,7 @@ class ElasticEP:
         drain_timeout_s (scale down): how long the leaving engines' requests may take to finish
         (default self.drain_timeout_s); past it, TimeoutError and nothing changed.
         """
-        if isinstance(new_size, bool) or not isinstance(new_size, int) or new_size < 1:
+        if type(new_size) is not int or new_size < 1:
             raise ValueError(f"new_data_parallel_size must be a positive int, got {new_size!r}")
         _check_timeout("drain_timeout_s", drain_timeout_s)
         if self.pending is not None:

@@ -17,7 +17,7 @@ def _as_rewards(rewards: torch.Tensor | Sequence[float], group_size: int) -> tor
         rewards = torch.tensor(list(rewards), dtype=torch.float32)
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be a 1-D [N] tensor, got shape {list(rewards.shape)}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
+    if type(group_size) is not int or group_size < 2:
         raise ValueError(f"group_size must be an int >= 2 (a group of one has no baseline), got {group_size!r}")
     if rewards.numel() == 0 or rewards.numel() % group_size != 0:
         raise ValueError(f"rewards has {rewards.numel()} entries, not a positive multiple of group_size={group_size}")

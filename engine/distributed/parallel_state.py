@@ -139,9 +139,9 @@ def init_expert_parallel(
     destroy_expert_parallel() first (re-initialization with a new size, rank or port is fine).
     """
     global _EP, _EP_STORE
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+    if type(size) is not int or size < 1:
         raise ValueError(f"expert-parallel size must be a positive int, got {size!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+    if type(rank) is not int or not 0 <= rank < size:
         raise ValueError(f"expert-parallel rank {rank!r} is out of range [0, {size})")
     if _EP.size > 1:
         raise RuntimeError("init_expert_parallel: this process is in an expert-parallel group already; "
