@@ -254,7 +254,7 @@ _Slot = int_in(0, _MAX_SLOTS - 1)
 class IPCInitInfo(InitInfo):
     """init_info: the trainer's control block, its machine, and the settings the engine side needs."""
 
-    control: Annotated[str, msgspec.Meta(pattern=_CONTROL_NAME)]
+    control: Annotated[str, msgspec.Meta(pattern=_CONTROL_NAME, description="an ipc control block name (wt-ipc-...-ctl)")]
     host: str  # the trainer's device_key of its CPU ("cpu:<boot id>"): the same machine?
     timeout_s: TimeoutS
     keep_buffers: bool
@@ -263,7 +263,7 @@ class IPCInitInfo(InitInfo):
 class ShmHandle(Message, tag_field="kind", tag="shm"):
     """A buffer in a /dev/shm segment of the trainer's."""
 
-    name: Annotated[str, msgspec.Meta(pattern=_SEGMENT_NAME)]
+    name: Annotated[str, msgspec.Meta(pattern=_SEGMENT_NAME, description="an ipc segment name (wt-ipc-...)")]
 
 
 class CudaHandle(Message, tag_field="kind", tag="cuda"):

@@ -4,9 +4,13 @@ A message type declares its fields, their types and their ranges; msgspec checks
 (strictly: no bool for an int, no str for a number, unknown keys refused) and parse_message
 turns its error into a ValueError that starts with the field path in our style:
 
-    Expected `int` >= 0 - at `$.weights[0].shape[1]`   ->   update_info.weights[0].shape[1]: expected `int` >= 0
+    Expected `int` >= 0 - at `$.weights[0].shape[1]`   ->   update_info.weights[0].shape[1]: -1 is below 0
+    Invalid value 'nfs' - at `$.buffer[...].handle.kind` -> update_info.buffer['cpu:...'].handle.kind: expected 'shm' or 'cuda', got 'nfs'
     Object missing required field `call_id`            ->   update_info.call_id: missing (update_info: missing field(s) ['call_id'])
     Object contains unknown field `port`               ->   init_info: unknown field(s) ['port']
+
+A field whose type has a pattern may describe what matches it (msgspec.Meta(description=...)):
+a string that does not match "is not <description>".
 
 Checks that involve several fields go in a message's check(), which msgspec runs as part of
 the conversion (so a nested message's error carries its path too). A message built in Python
@@ -18,8 +22,11 @@ from __future__ import annotations
 
 import re
 import sys
+import types
+import typing
+from collections.abc import Mapping
 from contextvars import ContextVar
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 import torch
@@ -70,7 +77,7 @@ def parse_message(raw: Any, message_type: Any, where: str) -> Any:
     try:
         return msgspec.convert(raw, message_type, strict=True, dec_hook=_decode)
     except msgspec.ValidationError as e:
-        raise ValueError(_in_our_style(str(e), where)) from None
+        raise ValueError(_in_our_style(str(e), raw, message_type, where)) from None
     finally:
         _converting.reset(token)
 
@@ -90,24 +97,138 @@ def _decode(message_type: type, value: Any) -> Any:
     raise NotImplementedError(f"no wire form for {message_type!r}")
 
 
+# ---- msgspec's errors in our words ------------------------------------------------------------------
+
 #   <message>[ - at [`key` in ]`$<path>`]
 _VALIDATION_ERROR = re.compile(r"(?P<message>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?", re.S)
+_PATH_STEP = re.compile(r"\.(?P<field>[^.\[]+)|\[(?P<index>\d+)\]|\[\.\.\.\]")  # .field, [3], or [...]: a dict's value
 _MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
 _UNKNOWN = re.compile(r"Object contains unknown field `(?P<field>[^`]+)`")
+_RANGE = re.compile(r"Expected `\w+` (?P<op>>=|>|<=|<) (?P<bound>\S+)")
+_RANGE_WORDS = {">=": "is below {}", ">": "is not above {}", "<=": "is out of range (must be <= {})",
+                "<": "is out of range (must be < {})"}
+_BOUND_WORDS = {str(INT64_MAX): "2**63 - 1", str(INT64_MIN): "-2**63"}
+_NOT_FOUND = object()  # where the walk along the error's path could not follow the value
 
 
-def _in_our_style(error: str, where: str) -> str:
-    """msgspec's "<what> - at `$.a[0].b`" as "where.a[0].b: <what>" (see the module docstring)."""
+def _in_our_style(error: str, raw: Any, message_type: Any, where: str) -> str:
+    """msgspec's "<what> - at `$.a[0].b`" as "where.a[0].b: <what>", in our words (see the module docstring).
+
+    The path is followed through `raw` and message_type, so that the message can name the key of a
+    dict entry (msgspec says [...]), show the offending value, and list the values a field allows.
+    """
     m = _VALIDATION_ERROR.fullmatch(error)
-    message, at = m["message"], where + (m["path"] or "")
+    message = m["message"]
+    at, value, value_type = _follow(m["path"] or "", raw, message_type, where)
     if m["key"]:
-        at += " (a key)"
+        at, value = f"{at} (a key)", _NOT_FOUND
     if missing := _MISSING.fullmatch(message):
         return f"{at}.{missing['field']}: missing ({at}: missing field(s) [{missing['field']!r}])"
     if unknown := _UNKNOWN.fullmatch(message):
         return f"{at}: unknown field(s) [{unknown['field']!r}]"
     if message.startswith("."):  # a check() blaming one field of this message
         return at + message
+    if value is not _NOT_FOUND:
+        shown = _shown(value)
+        if bounds := _RANGE.fullmatch(message):
+            bound = _BOUND_WORDS.get(bounds["bound"], bounds["bound"])
+            return f"{at}: {shown} {_RANGE_WORDS[bounds['op']].format(bound)}"
+        if message == "Number out of range":
+            return f"{at}: {shown} is out of range"
+        if message.startswith(("Invalid enum value", "Invalid value")) and _choices(value_type):
+            return f"{at}: expected {_choices(value_type)}, got {shown}"
+        if message.startswith("Expected `str` matching regex") and _description(value_type):
+            return f"{at}: {shown} is not {_description(value_type)}"
     if message == "Invalid base64 encoded string":
         message = "not valid base64"
     return f"{at}: {message[:1].lower()}{message[1:]}"
+
+
+def _follow(path: str, raw: Any, message_type: Any, where: str) -> tuple[str, Any, Any]:
+    """The error's path rendered from `where` with dict keys filled in, and the value and type found there."""
+    at, value, value_type = where, raw, message_type
+    for step in _PATH_STEP.finditer(path):
+        try:
+            value, value_type, shown_step = _step(step, value, value_type)
+        except (KeyError, IndexError, TypeError, StopIteration):  # the value does not have the shape the path says
+            return at + path[step.start():], _NOT_FOUND, None
+        at += shown_step
+    return at, value, value_type
+
+
+def _step(step: re.Match, value: Any, value_type: Any) -> tuple[Any, Any, str]:
+    """One step of an error's path: the value and type found there, and how the step reads."""
+    union = _members(value_type)
+    if step["field"] is not None:
+        name = step["field"]
+        tags = [member.__struct_config__.tag for member in union
+                if _is_struct(member) and member.__struct_config__.tag_field == name]
+        if tags:  # the tag of a tagged union (a handle's "kind"): its values are the members' tags
+            return value[name], Literal.__getitem__(tuple(tags)), f".{name}"
+        struct = next(member for member in union if _is_struct(member) and isinstance(value, Mapping)
+                      and _tag_fits(member, value))
+        field = next(f for f in msgspec.structs.fields(struct) if f.encode_name == name)
+        return value[name], field.type, f".{name}"
+    if step["index"] is not None:
+        i = int(step["index"])
+        array = next(member for member in union if typing.get_origin(member) in (list, tuple, set, frozenset))
+        args = typing.get_args(array)
+        fixed = typing.get_origin(array) is tuple and not (len(args) == 2 and args[1] is Ellipsis)
+        return value[i], args[i] if fixed else args[0], f"[{i}]"
+    # [...]: an entry of a dict. Which one msgspec does not say; the first that fails to convert.
+    entry_type = typing.get_args(next(member for member in union if typing.get_origin(member) is dict))[1]
+    key = next(k for k, v in value.items() if not _converts(v, entry_type))
+    return value[key], entry_type, f"[{key!r}]"
+
+
+def _members(value_type: Any) -> list[Any]:
+    """The types a value of value_type may be converted to: the members of a union, Annotated taken off."""
+    while typing.get_origin(value_type) is Annotated:
+        value_type = typing.get_args(value_type)[0]
+    if typing.get_origin(value_type) in (typing.Union, types.UnionType):
+        return [m for arg in typing.get_args(value_type) for m in _members(arg)]
+    return [value_type]
+
+
+def _is_struct(value_type: Any) -> bool:
+    return isinstance(value_type, type) and issubclass(value_type, msgspec.Struct)
+
+
+def _tag_fits(struct: type, value: Mapping) -> bool:
+    config = struct.__struct_config__
+    return config.tag_field is None or value.get(config.tag_field) == config.tag
+
+
+def _converts(value: Any, value_type: Any) -> bool:
+    try:
+        msgspec.convert(value, value_type, strict=True, dec_hook=_decode)
+    except msgspec.ValidationError:
+        return False
+    return True
+
+
+def _choices(value_type: Any) -> str | None:
+    """"'a', 'b' or 'c'": the values a Literal allows (None for another type)."""
+    literals = [v for m in _members(value_type) if typing.get_origin(m) is Literal for v in typing.get_args(m)]
+    if not literals:
+        return None
+    shown = [repr(v) for v in literals]
+    return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} or {shown[-1]}"
+
+
+def _description(value_type: Any) -> str | None:
+    """The description its Meta gives a field's type (for a pattern: what a matching string is)."""
+    while typing.get_origin(value_type) is Annotated:
+        value_type, *metas = typing.get_args(value_type)
+        for meta in metas:
+            if isinstance(meta, msgspec.Meta) and meta.description:
+                return meta.description
+    return None
+
+
+def _shown(value: Any) -> str:
+    """A value for a message: short (no value in an error may be unbounded)."""
+    if type(value) is int and value.bit_length() > 64:  # (a bool is no int here)
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."

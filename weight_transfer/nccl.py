@@ -79,7 +79,7 @@ DEFAULT_TIMEOUT_S = 300.0
 MAX_NUM_BUFFERS = 64  # pack buffers (or unpacked broadcasts) in flight at once
 MAX_WORLD_SIZE = (1 << 31) - 1  # torch.distributed takes ranks and sizes as C int
 
-Address = Annotated[str, msgspec.Meta(pattern=r"\S")]  # a host name or IP address (not blank)
+Address = Annotated[str, msgspec.Meta(pattern=r"\S", description="a host name or IP address")]  # (not blank)
 WorldSize = int_in(2, MAX_WORLD_SIZE)
 BufferSize = int_in(ALIGN)
 NumBuffers = int_in(1, MAX_NUM_BUFFERS)

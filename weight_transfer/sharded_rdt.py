@@ -78,7 +78,7 @@ class ShardedRDTTrainerInitInfo(TrainerInitInfo):
     """Limit of every wait on either side (a slot to free, a group to appear, a READ, the acks) before it fails."""
     nixl_backend: NonEmptyStr = "UCX"
     """NIXL backend of producers and engines."""
-    producer_device: Annotated[str, msgspec.Meta(pattern=r"^(cpu|cuda)\Z|^cuda:")] = "cpu"
+    producer_device: Annotated[str, msgspec.Meta(pattern=r"^(cpu|cuda)\Z|^cuda:", description='"cpu" or "cuda"')] = "cpu"
     """Where the producer's slots live: "cpu" (host memory) or "cuda" (VRAM; give the actor producer_num_gpus)."""
     producer_num_gpus: NonNegFloat = 0.0
     """GPUs the producer actor asks Ray for (a fraction shares the trainer's GPU)."""

@@ -6,12 +6,12 @@ RolloutWorker engines as Ray actors on a local cluster, driven through RayWeight
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import threading
 import time
 
+import msgspec
 import pytest
 import torch
 from torch import nn
@@ -393,7 +393,7 @@ def test_two_trainer_ranks_each_publish_their_own_groups(engine, tiny_checkpoint
 
     def rank_main(rank: int) -> None:  # what each rank of a two-rank trainer runs (here: two threads)
         try:
-            info = dataclasses.replace(_info("rdt-two-ranks"), rank=rank, world_size=2)
+            info = msgspec.structs.replace(_info("rdt-two-ranks"), rank=rank, world_size=2)
             trainer = trainer_init(info, client=client, source=model)
             try:
                 trainer.send_weights(weight_version="two-ranks")
@@ -456,7 +456,7 @@ def test_a_thread_hosted_producer_syncs_a_server_over_http_without_ray(launch_se
     path = tiny_checkpoint("llama")
     server = launch_server(path, "--enable-rl-routes")
     model_a, model_b = trainer_model(path, seed=21), trainer_model(path, seed=22)
-    info = dataclasses.replace(_info("rdt-thread"), producer_host="thread")
+    info = msgspec.structs.replace(_info("rdt-thread"), producer_host="thread")
     client = HTTPWeightSyncClient(server.url)
     trainer = trainer_init(info, client=client, source=model_a)
     try:
