@@ -9,8 +9,8 @@ turns its error into a ValueError that starts with the field path in our style:
     Object missing required field `call_id`            ->   update_info.call_id: missing (update_info: missing field(s) ['call_id'])
     Object contains unknown field `port`               ->   init_info: unknown field(s) ['port']
 
-A field whose type has a pattern may describe what matches it (msgspec.Meta(description=...)):
-a string that does not match "is not <description>".
+A type with a constraint (a pattern, a length) may say what it wants (msgspec.Meta(description=...)):
+a value that breaks the constraint "is not <description>".
 
 Checks that involve several fields go in a message's check(), which msgspec runs as part of
 the conversion (so a nested message's error carries its path too). A message built in Python
@@ -43,7 +43,7 @@ def int_in(ge: int = INT64_MIN, le: int = INT64_MAX) -> Any:
 
 
 NonNegInt = int_in(0)
-NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
+NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1, description="a non-empty string")]
 # Both bounds finite: NaN fails every comparison and inf the upper bound, so these floats are finite.
 TimeoutS = Annotated[float, msgspec.Meta(gt=0, le=MAX_TIMEOUT_S)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0, le=sys.float_info.max)]
@@ -120,8 +120,9 @@ def _in_our_style(error: str, raw: Any, message_type: Any, where: str) -> str:
     m = _VALIDATION_ERROR.fullmatch(error)
     message = m["message"]
     at, value, value_type = _follow(m["path"] or "", raw, message_type, where)
-    if m["key"]:
-        at, value = f"{at} (a key)", _NOT_FOUND
+    if m["key"]:  # a key of the dict at the path
+        at += " (a key)"
+        value, value_type = _failing_key(value, value_type)
     if missing := _MISSING.fullmatch(message):
         return f"{at}.{missing['field']}: missing ({at}: missing field(s) [{missing['field']!r}])"
     if unknown := _UNKNOWN.fullmatch(message):
@@ -137,7 +138,8 @@ def _in_our_style(error: str, raw: Any, message_type: Any, where: str) -> str:
             return f"{at}: {shown} is out of range"
         if message.startswith(("Invalid enum value", "Invalid value")) and _choices(value_type):
             return f"{at}: expected {_choices(value_type)}, got {shown}"
-        if message.startswith("Expected `str` matching regex") and _description(value_type):
+        # A constraint (pattern, length) the value broke, on a type that says what it wants.
+        if message.startswith("Expected `") and ", got" not in message and _description(value_type):
             return f"{at}: {shown} is not {_description(value_type)}"
     if message == "Invalid base64 encoded string":
         message = "not valid base64"
@@ -197,6 +199,16 @@ def _is_struct(value_type: Any) -> bool:
 def _tag_fits(struct: type, value: Mapping) -> bool:
     config = struct.__struct_config__
     return config.tag_field is None or value.get(config.tag_field) == config.tag
+
+
+def _failing_key(value: Any, value_type: Any) -> tuple[Any, Any]:
+    """The first key of a dict that does not convert to the dict type's key type, and that type."""
+    try:
+        dict_type = next(member for member in _members(value_type) if typing.get_origin(member) is dict)
+        key_type = typing.get_args(dict_type)[0]
+        return next(k for k in value if not _converts(k, key_type)), key_type
+    except (StopIteration, TypeError, IndexError):
+        return _NOT_FOUND, None
 
 
 def _converts(value: Any, value_type: Any) -> bool:
