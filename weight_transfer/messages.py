@@ -86,14 +86,18 @@ def parse_message(raw: Any, message_type: Any, where: str) -> Any:
 _converting: ContextVar[bool] = ContextVar("weight_transfer_converting", default=False)
 
 
+# Every name torch gives a dtype ("bfloat16", "float32", also aliases such as "half").
+_DTYPES = {name: dtype for name in dir(torch) if isinstance(dtype := getattr(torch, name), torch.dtype)}
+
+
 def _decode(message_type: type, value: Any) -> Any:
     """msgspec's hook for the one type it does not know: a torch.dtype travels as its name (a message
     built in Python may hold the dtype itself)."""
     if message_type is torch.dtype:
-        dtype = value if isinstance(value, torch.dtype) else getattr(torch, value, None) if isinstance(value, str) else None
-        if isinstance(dtype, torch.dtype):
+        dtype = _DTYPES.get(value) if type(value) is str else value  # (a dict: this runs once per tensor)
+        if type(dtype) is torch.dtype:
             return dtype
-        raise ValueError(f"{value!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
+        raise ValueError(f"{_shown(value)} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
     raise NotImplementedError(f"no wire form for {message_type!r}")
 
 
