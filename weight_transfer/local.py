@@ -34,7 +34,8 @@ from weight_transfer.base import (
     WeightTransferEngine,
     WeightUpdateInfo,
 )
-from weight_transfer.messages import INT64_MAX, Message, NonEmptyStr, NonNegInt, int_in
+from weight_transfer.messages import Message, NonEmptyStr, NonNegInt, int_in
+from weight_transfer.packing import dtype_name
 
 
 class LocalInitInfo(InitInfo):
@@ -53,8 +54,7 @@ class B64Weight(Message):
         expected = math.prod(self.shape) * self.dtype.itemsize
         if len(self.data) != expected:
             raise ValueError(
-                f".data_b64: {len(self.data)} bytes, but shape {self.shape} of {str(self.dtype).removeprefix('torch.')} "
-                f"needs {expected}"
+                f".data_b64: {len(self.data)} bytes, but shape {self.shape} of {dtype_name(self.dtype)} needs {expected}"
             )
 
 
@@ -129,7 +129,7 @@ def encode_weights_b64(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> lis
         entries.append(
             {
                 "name": name,
-                "dtype": str(t.dtype).removeprefix("torch."),
+                "dtype": dtype_name(t.dtype),
                 "shape": list(t.shape),
                 "data_b64": base64.b64encode(raw).decode("ascii"),
             }
@@ -151,7 +151,7 @@ class LocalTrainerInitInfo(TrainerInitInfo):
 
     backend: ClassVar[str] = "local"
     encoding: Literal["tensors", "b64"] = "tensors"  # "tensors" (in-process or ZMQ clients) or "b64" (HTTP)
-    max_bytes_per_call: int_in(1, INT64_MAX) = 256 << 20
+    max_bytes_per_call: int_in(1) = 256 << 20
 
 
 class LocalTrainerWeightTransferEngine(TrainerWeightTransferEngine[LocalTrainerInitInfo]):

@@ -1,13 +1,17 @@
-"""Wire messages of weight sync as msgspec Structs, and parse_message: the one strict conversion every init_info, update_info and baseline goes through.
+"""Weight sync's wire messages as msgspec Structs, and parse_message: the one strict conversion they all go through.
 
 A message type declares its fields, their types and their ranges; msgspec checks them all
 (strictly: no bool for an int, no str for a number, unknown keys refused) and parse_message
 turns its error into a ValueError that starts with the field path in our style:
 
-    Expected `int` >= 0 - at `$.weights[0].shape[1]`   ->   update_info.weights[0].shape[1]: -1 is below 0
-    Invalid value 'nfs' - at `$.buffer[...].handle.kind` -> update_info.buffer['cpu:...'].handle.kind: expected 'shm' or 'cuda', got 'nfs'
-    Object missing required field `call_id`            ->   update_info.call_id: missing (update_info: missing field(s) ['call_id'])
-    Object contains unknown field `port`               ->   init_info: unknown field(s) ['port']
+    Expected `int` >= 0 - at `$.weights[0].shape[1]`
+        update_info.weights[0].shape[1]: -1 is below 0
+    Invalid value 'nfs' - at `$.buffer[...].handle.kind`
+        update_info.buffer['cpu:...'].handle.kind: expected 'shm' or 'cuda', got 'nfs'
+    Object missing required field `call_id`
+        update_info.call_id: missing (update_info: missing field(s) ['call_id'])
+    Object contains unknown field `port`
+        init_info: unknown field(s) ['port']
 
 A type with a constraint (a pattern, a length) may say what it wants (msgspec.Meta(description=...)):
 a value that breaks the constraint "is not <description>".

@@ -8,9 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from weight_transfer.base import WeightTransferEngine, get_engine_backend, register_engine_backend
+from weight_transfer.base import (
+    StateDictSource,
+    WeightTransferEngine,
+    get_engine_backend,
+    register_engine_backend,
+    trainer_init,
+)
 from weight_transfer.checksums import compare_checksums, hf_state_checksums, tensor_checksum
-from weight_transfer.local import LocalWeightTransferEngine, encode_weights_b64, make_update_info
+from weight_transfer.local import LocalTrainerInitInfo, LocalWeightTransferEngine, encode_weights_b64, make_update_info
 
 
 @pytest.fixture
@@ -74,6 +80,68 @@ def test_tensor_and_numpy_forms(backend):
 def test_bad_update_info_names_the_field(backend, update_info, message):
     with pytest.raises(ValueError, match=message):
         backend.parse_update_info(update_info)
+
+
+class _RecordingClient:
+    """A weight-sync client of one engine that records its calls and refuses the one named `refuse`."""
+
+    def __init__(self, refuse: str | None = None) -> None:
+        self.calls: list[str] = []
+        self.refuse = refuse
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        if name == self.refuse:
+            raise RuntimeError(f"{name} refused")
+
+    def init_weight_transfer_engine(self, init_info):
+        self._call("init")
+
+    def start_weight_update(self):
+        self._call("start")
+
+    def update_weights(self, update_info):
+        self._call("update")
+
+    def finish_weight_update(self, weight_version=None):
+        self._call("finish")
+
+    def abort_weight_update(self):
+        self._call("abort")
+
+
+@pytest.mark.parametrize(
+    "refuse,calls",
+    [
+        (None, ["start", "update", "finish"]),
+        ("update", ["start", "update", "abort"]),
+        ("finish", ["start", "update", "finish", "abort"]),
+        ("start", ["start"]),  # nothing of ours began (it may be another trainer's update): nothing to abort
+    ],
+)
+def test_send_weights_runs_the_update_lifecycle_and_aborts_what_it_began(refuse, calls):
+    client = _RecordingClient(refuse)
+    trainer = trainer_init({"backend": "local"}, client=client, source=StateDictSource({"w": torch.ones(4)}))
+    assert client.calls == ["init"]
+    client.calls.clear()
+    if refuse is None:
+        stats = trainer.send_weights(weight_version="v1")
+        assert (stats.weight_version, stats.num_tensors, stats.bytes_sent) == ("v1", 1, 16)
+    else:
+        with pytest.raises(RuntimeError, match=f"{refuse} refused"):
+            trainer.send_weights(weight_version="v1")
+    assert client.calls == calls
+
+
+def test_trainer_settings_are_checked_however_they_are_made():
+    with pytest.raises(ValueError, match=r"init_info\.max_bytes_per_call: 0 is below 1"):
+        LocalTrainerInitInfo(max_bytes_per_call=0)
+    with pytest.raises(ValueError, match=r"init_info\.encoding: expected 'tensors' or 'b64', got 'base64'"):
+        trainer_init({"backend": "local", "encoding": "base64"}, client=_RecordingClient())
+    with pytest.raises(ValueError, match=r"init_info: unknown field\(s\) \['bogus'\]"):
+        trainer_init({"backend": "local", "bogus": 1}, client=_RecordingClient())
+    with pytest.raises(ValueError, match=r"init_info\.max_bytes_per_call: expected `int`, got `bool`"):
+        trainer_init({"backend": "local", "max_bytes_per_call": True}, client=_RecordingClient())
 
 
 def test_registry_is_lazy_and_lists_known_backends(monkeypatch):
