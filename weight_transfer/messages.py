@@ -160,7 +160,7 @@ def _follow(path: str, raw: Any, message_type: Any, where: str) -> tuple[str, An
     for step in _PATH_STEP.finditer(path):
         try:
             value, value_type, shown_step = _step(step, value, value_type)
-        except (KeyError, IndexError, TypeError, StopIteration):  # the value does not have the shape the path says
+        except (KeyError, IndexError, TypeError, AttributeError, StopIteration):  # not the shape the path says
             return at + path[step.start():], _NOT_FOUND, None
         at += shown_step
     return at, value, value_type
