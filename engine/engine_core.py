@@ -340,7 +340,7 @@ class EngineCore:
     @between_steps  # tokens of the step in flight belong to the version they were computed with
     def update_weight_version(self, new_version: str) -> None:
         if not isinstance(new_version, str) or not new_version:
-            raise ValueError(f"new_version: expected a non-empty string, got {new_version!r}")
+            raise ValueError(f"new_version: a weight_version is a non-empty string, got {new_version!r}")
         self.weight_version = new_version
         if self._serving_checkpoint:  # a label for the checkpoint's own weights, kept across re-loads
             self._checkpoint_weight_version = new_version
