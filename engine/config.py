@@ -296,7 +296,7 @@ def parse_speculative_config(raw: dict | None) -> SpecDecodeSettings | None:
     settings = SpecDecodeSettings(method=method, num_speculative_tokens=k)
     if method == "ngram":
         lo, hi = raw.get("prompt_lookup_min", 1), raw.get("prompt_lookup_max", 3)
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or not 1 <= lo <= hi:
+        if not all(type(v) is int for v in (lo, hi)) or not 1 <= lo <= hi:
             raise ValueError(
                 f"speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max (ints), got {lo!r} and {hi!r}"
             )

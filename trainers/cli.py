@@ -147,10 +147,10 @@ def _check_value(where: str, tp: Any, value: Any) -> Any:
         if value not in choices:
             raise ValueError(f"{where}: {value!r} is not one of {list(choices)}")
         return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+    if tp is float and type(value) is int:
         return float(value)
     if tp in (int, float, str, bool):
-        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        if not isinstance(value, tp) or (tp is int and type(value) is not int):
             raise ValueError(f"{where}: expected {tp.__name__}, got {value!r}")
         return value
     return value

@@ -203,7 +203,7 @@ class MetricsLogger:
     ) -> None:
         """`config`: a MetricsConfig or an object with its fields; `run_config`: the run's settings (recorded in wandb and
         run_config.json); `num_steps`: the progress bar's total (default run_config["num_steps"] when present)."""
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        if type(rank) is not int or rank < 0:
             raise ValueError(f"rank: must be an int >= 0, got {rank!r}")
         if not isinstance(run_config, dict):
             raise ValueError(f"run_config: expected a dict, got {type(run_config).__name__}")
@@ -296,7 +296,7 @@ class MetricsLogger:
     # ---- recording ---------------------------------------------------------------------------
 
     def _check_step(self, step: int) -> None:
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        if type(step) is not int or step < 0:
             raise ValueError(f"step: must be an int >= 0, got {step!r}")
         # wandb drops (with a warning) anything logged at a step below the current one
         if self._last_step is not None and step < self._last_step:
@@ -487,7 +487,7 @@ class PhaseTimer:
 
     def tokens_per_s(self, num_tokens: int, phase: str = "generate") -> float:
         """`num_tokens` divided by the seconds of `phase` (generation throughput by default)."""
-        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+        if type(num_tokens) is not int or num_tokens < 0:
             raise ValueError(f"num_tokens: must be an int >= 0, got {num_tokens!r}")
         seconds = self.seconds(phase)
         if seconds <= 0.0:
