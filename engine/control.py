@@ -106,6 +106,8 @@ class Where(enum.Enum):
     ENGINE = "engine"  # EngineCore (in its process): AsyncLLM forwards it as a utility call
     FRONTEND = "frontend"  # AsyncLLM itself (it owns the state, e.g. the request streams)
     GROUP = "group"  # only a lockstep RolloutGroup; a single AsyncLLM refuses it with ValueError
+    WORKER = "worker"  # each Worker (one per tensor-parallel rank): EngineCore runs it on every rank with one
+    # rpc and combines the ranks' answers by the control's rule, so nothing but the Worker method is written
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from engine.config import EngineConfig
-from engine.control import MEMORY_TAGS, PauseMode, SleepLevel
+from engine.control import MEMORY_TAGS, Control, PauseMode, SleepLevel, Where, combine_answers, forward_controls
 from engine.control_state import ControlState
 from engine.core.request import Request, RequestStatus
 from engine.core.sched_output import SchedulerOutput
@@ -39,9 +39,17 @@ def between_steps(method: F) -> F:
     return drained  # type: ignore[return-value]
 
 
+@forward_controls(asynchronous=False, include=lambda declared: declared.where is Where.WORKER)
 class EngineCore:
     # Opaque label of the weights being served; stamped on every step's EngineCoreOutputs.
     weight_version: str = "default"
+
+    def _forward_control(self, declared: Control, args: tuple) -> Any:
+        """A control the workers implement (engine/control.py: Where.WORKER): every rank runs it, and the
+        ranks' answers combine by the control's rule."""
+        answers = self.executor.rpc(getattr(Worker, declared.name), *args)
+        return combine_answers(declared, answers,
+                               lambda ranks: RuntimeError(f"{declared.name}: the tensor-parallel ranks disagree: {ranks}"))
 
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         """executor_class: None picks it from config.parallel (uni, mp or ray)."""

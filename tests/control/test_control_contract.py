@@ -13,6 +13,7 @@ import pytest
 from engine.async_llm import AsyncLLM
 from engine.control import CONTROLS, Combine, Control, Route, Where, forward_controls
 from engine.engine_core import EngineCore
+from engine.worker.worker import Worker
 from rollout.group import RolloutGroup
 from rollout.server.elastic_routes import elastic_router
 from rollout.server.rl_routes import control_routers
@@ -54,7 +55,9 @@ class Layer:
 LAYERS = [
     # EngineCore implements what runs in the engine; it has many other methods (step, add_request...),
     # and its answers are the raw ones the frontend turns into the declared results (pause: the ids).
-    Layer(EngineCore, False, lambda c: c.where is Where.ENGINE, check_returns=False, exact=False),
+    Layer(EngineCore, False, lambda c: c.where in (Where.ENGINE, Where.WORKER), check_returns=False, exact=False),
+    # What the workers implement, EngineCore forwards (forward_controls); the answer is a rank's.
+    Layer(Worker, False, lambda c: c.where is Where.WORKER, check_returns=False, exact=False),
     Layer(AsyncLLM, True, lambda c: True),
     Layer(RolloutGroup, True, lambda c: True),
     Layer(RolloutWorker, False, lambda c: True),
@@ -158,6 +161,31 @@ def test_a_control_whose_layer_takes_other_arguments_fails_the_contract():
     problems = contract_problems(_with(CONTROLS, "sleep", signature=changed))
     assert any(p.startswith("EngineCore.sleep") and "takes other arguments" for p in problems)
     assert any(p.startswith("AsyncLLM.sleep") for p in problems)
+
+
+def test_a_worker_control_added_only_to_the_declaration_fails_the_contract():
+    problems = contract_problems(_with(CONTROLS, "get_device_name", where=Where.WORKER))
+    assert "Worker lacks the control get_device_name" in problems
+
+
+def test_engine_core_runs_a_worker_control_on_every_rank_and_combines_by_its_rule():
+    """EngineCore's forwarding of Where.WORKER controls, over a stand-in executor of three ranks."""
+    calls = []
+
+    class Executor:
+        def rpc(self, method, *args):
+            calls.append((method, args))
+            return answers
+
+    declared = dataclasses.replace(CONTROLS["get_world_size"], name="num_parameters", where=Where.WORKER)
+    core = object.__new__(EngineCore)
+    core.executor = Executor()
+    answers = [10, 10, 12]
+    assert core._forward_control(declared, ()) == 32  # get_world_size's rule: the sum
+    assert calls == [(Worker.num_parameters, ())]
+    answers = ["a", "b", "a"]
+    with pytest.raises(RuntimeError, match="ranks disagree"):
+        core._forward_control(dataclasses.replace(declared, combine=Combine.AGREE), ())
 
 
 def test_a_mistyped_or_undeclared_method_fails_the_contract():
