@@ -85,13 +85,7 @@ def run_engine(args, path: str, work) -> dict:
               "device": llm.config.device.resolve(), "dtype": str(_dtype(args, llm.config.device.resolve())),
               "num_kv_blocks": llm.engine_core.num_blocks, "tensor_parallel_size": args.tensor_parallel_size,
               "cuda_graph_replays": graphs.num_replays if graphs is not None else None}
-    llm.engine_core.shutdown()
-    del llm, worker, graphs
-    if torch.cuda.is_available():
-        import gc
-
-        gc.collect()
-        torch.cuda.empty_cache()
+    llm.shutdown()  # its device memory is free when this returns: the next run in this process sizes its cache from it
     return result
 
 

@@ -207,7 +207,9 @@ class AsyncLLM:
     # ---- the output loop ---------------------------------------------------------------------
 
     def _ensure_output_handler(self) -> None:
-        if self._output_task is None or self._output_task.done() and self._dead is None:
+        if self._dead is not None:  # shut down or dead: no handler is (re)started
+            return
+        if self._output_task is None or self._output_task.done():
             self._output_task = asyncio.get_running_loop().create_task(self._output_handler())
 
     async def _output_handler(self) -> None:
@@ -382,7 +384,10 @@ class AsyncLLM:
         if self._dead is None:
             self._fail_all(EngineDeadError("the engine was shut down"))
         if self._output_task is not None:
+            # Forgotten as well as cancelled: the finished task keeps its CancelledError, whose traceback holds
+            # the handler's frame and so `self`, which would make AsyncLLM -> task -> ... -> AsyncLLM a cycle.
             self._output_task.cancel()
+            self._output_task = None
         self.engine_core.shutdown()
         self._pool.shutdown(wait=False, cancel_futures=True)
 

@@ -244,5 +244,11 @@ class InprocClient(SyncEngineCoreClient, AsyncEngineCoreClient):
         if self._has_work is not None:
             self._has_work.set()
 
+    @property
+    def is_dead(self) -> bool:
+        return not self.engine_core.executor.is_alive()  # shut down (or, with tensor parallelism, a worker died)
+
     def shutdown(self) -> None:
+        """Shuts the EngineCore down: its device memory is given back before this returns. Idempotent."""
         self.engine_core.shutdown()
+        self._pending = []

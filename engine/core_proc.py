@@ -36,6 +36,7 @@ engine of a lockstep data-parallel group (expert parallelism) runs the subclass 
 from __future__ import annotations
 
 import faulthandler
+import gc
 import logging
 import os
 import queue
@@ -507,6 +508,13 @@ class EngineCoreProc:
 
                 proc_class = DPEngineCoreProc
             proc = proc_class(config, input_addresses, output_addresses, engine_index)
+            # This process is the engine's own: everything made so far (imported libraries, the model, graphs,
+            # caches) lives as long as it does. Moved out of the collector's view, a full collection while
+            # serving walks only what steps allocate (on a CPU process with ~330k tracked objects one took
+            # 190 ms; GPU processes hold more). Acyclic garbage is still freed by reference counting. Only
+            # here: an in-process engine shares its caller's heap, whose garbage must stay collectable.
+            gc.collect()
+            gc.freeze()
             proc.run_busy_loop()
         except SystemExit:
             pass

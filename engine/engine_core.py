@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import time
 from collections.abc import Callable
@@ -92,12 +91,8 @@ class EngineCore:
         # Outputs of a step collected by drain(), stamped with the weights that computed them;
         # the next step() returns them before anything else.
         self._drained: EngineCoreOutputs | None = None
-        # Everything made so far (imported libraries, the model, graphs, caches) lives as long as the
-        # engine: moved out of the collector's view, a full collection while serving walks only
-        # what steps allocate (on a CPU process with ~330k tracked objects one took 190 ms; GPU
-        # processes hold more). Acyclic garbage is still freed by reference counting.
-        gc.collect()
-        gc.freeze()
+        # No gc.freeze() here: an in-process engine (LLM, InprocClient) shares the caller's heap, which is
+        # not the engine's to pin. The engine's own process freezes once it is built (core_proc.py).
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.config.scheduler, self.config.cache, self.max_model_len, self.num_blocks,
@@ -524,8 +519,11 @@ class EngineCore:
         return list(self.executor.worker_pids)
 
     def shutdown(self) -> None:
+        """Stops the workers, which give back every tensor they hold on the device (weights, KV cache, CUDA
+        graphs, the draft model) before this returns; idempotent. Later calls that reach the workers raise
+        WorkerDiedError (an EngineDeadError): "the executor was shut down"."""
+        self._in_flight = self._drained = None  # a launched step holds its sampled ids on the device
         self.executor.shutdown()
-        gc.unfreeze()  # what the engine held may now be garbage (in cycles): let the collector see it again
 
 
 class InjectedFault(RuntimeError):

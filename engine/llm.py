@@ -33,8 +33,19 @@ class LLM:
         self.stat_loggers.log_engine_initialized()
 
     def shutdown(self) -> None:
-        """Stops the engine's workers (worker processes or Ray actors, per distributed_executor_backend); idempotent."""
+        """Stops the engine's workers (worker processes or Ray actors, per distributed_executor_backend) and gives
+        back every tensor the engine holds on the device (weights, KV cache, CUDA graphs, a draft model) before
+        it returns, even while this object is still referenced; idempotent. generate() raises EngineDeadError
+        ("the executor was shut down") afterwards."""
         self.engine_client.shutdown()
+
+    close = shutdown
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -47,6 +58,8 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in the order of `prompts`."""
+        # Before any request is registered: EngineDeadError saying why (shut down, or a worker died).
+        self.engine_core.executor.check_alive()
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:

@@ -26,18 +26,24 @@ class UniProcExecutor(Executor):
     supports_async_steps = True
 
     def launch_model(self, scheduler_output):
+        self.check_alive()
         return self.worker.model_runner.launch_step(scheduler_output)
 
     def finish_model(self, handle):
+        self.check_alive()
         return self.worker.model_runner.finish_step(handle)
 
     def collective_rpc(
         self, method: str, args: tuple = (), kwargs: dict | None = None, unique_reply_rank: int | None = None
     ) -> list[Any]:
+        self.check_alive()  # a shut-down worker holds no weights: nothing may run on it
         return [getattr(self.worker, method)(*args, **(kwargs or {}))]
 
     def is_alive(self) -> bool:
-        return True  # an in-process worker cannot die without the engine
+        return self.dead_reason is None  # an in-process worker cannot die without the engine; it is shut down
 
     def shutdown(self) -> None:
-        self.worker.shutdown()  # leaves its groups (an expert-parallel one; tensor parallelism is size 1 here)
+        """Leaves the worker's groups and gives back its device memory (Worker.shutdown); idempotent."""
+        if self.dead_reason is None:
+            self.dead_reason = "the executor was shut down"
+        self.worker.shutdown()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -108,10 +110,25 @@ def sharded_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> N
 
 def _new_param(*shape: int, loader=default_weight_loader, fill: float = 0.0, parts: tuple[HFPart, ...] | None = None) -> nn.Parameter:
     param = nn.Parameter(torch.full(shape, fill), requires_grad=False)
-    param.weight_loader = loader
+    param.weight_loader = _weak_loader(loader) if inspect.ismethod(loader) else loader
     if parts is not None:
         param.hf_parts = parts
     return param
+
+
+def _weak_loader(method):
+    """A module's bound weight_loader as its parameter's loader, without holding the module: the bound method
+    itself would make module -> parameter -> method -> module a cycle, which only the cyclic collector
+    frees, so a dropped model's fused weights would stay in memory until it ran."""
+    method_ref = weakref.WeakMethod(method)
+
+    def loader(*args, **kwargs):
+        bound = method_ref()
+        if bound is None:
+            raise RuntimeError("weight_loader: the module that owns this parameter is gone")
+        return bound(*args, **kwargs)
+
+    return loader
 
 
 def _param_index(module: nn.Module) -> dict[str, nn.Parameter]:

@@ -121,6 +121,24 @@ class CudaGraphRunner:
                     len(self.graphs), self.buckets[0], self.buckets[-1], sorted({1, self.max_verify_len}),
                     time.perf_counter() - start, used / 2**20)
 
+    def release(self) -> None:
+        """Gives back the graphs, their memory pool and the static buffers (sleep, elastic EP, shutdown);
+        the runner replays nothing afterwards. The caller synchronizes first: a replay may still be queued.
+
+        Dropping the last reference would free them too, but only once nothing else holds the runner
+        (a benchmark reading num_replays, a frame of a failed step): reset() frees each graph now, and
+        its pool's blocks go back to the allocator once the outputs that live in it are gone.
+        """
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+        self.pool = None
+        for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "verify_query_start_loc",
+                     "block_table"):
+            setattr(self, name, None)
+        self._host, self._host_np = [], []  # pinned host memory
+
     def bucket_for(self, batch: InputBatch) -> tuple[int, int] | None:
         """The graph to replay for this step, or None to run eagerly (a longer row, or too big)."""
         num_reqs = batch.num_reqs

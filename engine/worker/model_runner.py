@@ -206,6 +206,11 @@ class ModelRunner:
         self.eos_token_ids.clear()
         self._in_flight = None
 
+    def release(self) -> None:
+        """The worker shuts down: every request and the step in flight (its sampled ids on the device) are
+        forgotten. The graphs are the worker's to release (Worker.drop_cuda_graphs, with the draft's)."""
+        self.reset_requests()
+
     # ---- the step --------------------------------------------------------------------------
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

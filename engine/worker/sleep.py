@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 import torch
 
@@ -31,11 +32,17 @@ logger = logging.getLogger(__name__)
 
 class WorkerSleeper:
     def __init__(self, worker) -> None:
-        self.worker = worker
+        # The worker keeps its sleeper: a strong reference back would be a cycle that keeps the worker's
+        # model and KV cache alive until the collector runs.
+        self._worker = weakref.ref(worker)
         self.asleep: set[str] = set()  # "weights" and/or "kv_cache"
         self.host_weights: dict[str, torch.Tensor] | None = None  # level 1 on GPU
         self.discarded_weights: dict[str, tuple[torch.Size, torch.dtype]] | None = None  # level 2
         self.kv_shapes: list[tuple[torch.Size, torch.dtype]] | None = None
+
+    @property
+    def worker(self):
+        return self._worker()
 
     @property
     def device(self) -> torch.device:
@@ -85,6 +92,11 @@ class WorkerSleeper:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # hand the freed blocks back, so another process can use them
+
+    def release(self) -> None:
+        """The worker shuts down: the host copies of sleeping weights go (pinned memory), nothing wakes up."""
+        self.host_weights = self.discarded_weights = self.kv_shapes = None
+        self.asleep = set()
 
     # ---- wake-up -------------------------------------------------------------------------------
 

@@ -47,6 +47,8 @@ WeightUpdaters (weight_updaters.py) gives both one lifecycle.
 from __future__ import annotations
 
 import itertools
+import logging
+import weakref
 from collections.abc import Hashable
 
 import torch
@@ -62,6 +64,8 @@ from engine.worker.weight_checks import FiniteChecks, check_received, check_weig
 from engine.worker.weight_landing import LandingPlan, land, plan_landing
 from engine.worker.weight_rollback import WeightRollback
 from weight_transfer.base import SparseWeightPatch, WeightTransferEngine, WeightUpdateInfo, get_engine_backend
+
+logger = logging.getLogger(__name__)
 
 _MAX_PLANS = 64  # landing plans kept (one per recurring call: a model's packs)
 
@@ -90,7 +94,10 @@ class WeightUpdater:
         # False after a failed transfer that could not be rolled back (rollback "none"): the
         # weights are a mix and must not serve until an update finishes.
         self.consistent = True
-        self._rollback = WeightRollback(rollback, lambda hf_name: self.layout[hf_name].tensor())
+        # The rollback reads the current layout through a weak reference: a closure over self, kept in
+        # self, would be a cycle that keeps the model's weights alive until the collector runs.
+        updater = weakref.ref(self)
+        self._rollback = WeightRollback(rollback, lambda hf_name: updater().layout[hf_name].tensor())
         self._plans: dict[Hashable, LandingPlan] = {}  # reuse_key -> how that recurring call lands
         self._plans_for: tuple[int, ...] = ()  # the parameter addresses the plans' views point into
 
@@ -253,6 +260,20 @@ class WeightUpdater:
             self.transfer_engine.shutdown()
         self.transfer_engine, self.backend, self.updating = None, None, False
         self._plans = {}
+
+    def release(self) -> None:
+        """The worker shuts down: the transfer engine is shut down (a failure is logged, not raised) and the
+        rollback copies and landing plans are dropped. An update in progress is abandoned, not rolled
+        back: the weights are about to be freed."""
+        engine, self.transfer_engine, self.backend, self.updating = self.transfer_engine, None, None, False
+        self._rollback.clear()
+        self._plans = {}
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception as e:  # the worker's memory is released all the same
+                logger.warning("shutting down the %s model's %s transfer engine: %s", self.name,
+                               type(engine).__name__, e)
 
     def _abort(self) -> bool:
         """Restores every weight changed since start_update and ends the update; False if it could not."""

@@ -148,6 +148,12 @@ class WeightUpdaters:
         for updater in self.all():
             updater.shutdown()
 
+    def release(self) -> None:
+        """The worker shuts down: a pending init is dropped and every model's updater released (see WeightUpdater.release)."""
+        self.cancel_init()
+        for updater in self.all():
+            updater.release()
+
     @property
     def consistent(self) -> bool:
         return all(u.consistent for u in self.all())

@@ -25,6 +25,7 @@ from engine.kernels.sampling import gumbel_row_classes
 from engine.models.loader import load_hf_config, load_model
 from engine.sample import Sampler, SamplingMetadata, make_generator
 from engine.worker.model_runner import ModelRunner, forward_without_kv_writes
+from engine.worker.release import release_device_caches, release_module_tensors
 from engine.worker.runner_output import ModelRunnerOutput
 from engine.worker.weight_update import DRAFT_MODEL, TARGET_MODEL, WeightUpdater
 from engine.worker.weight_updaters import WeightUpdaters
@@ -82,6 +83,7 @@ class Worker:
         self.rank = rank
         self.tp_size = tp_size
         self.device = worker_device(config.device.resolve(), rank, device_index)
+        self._shut_down = False
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # before NCCL: its communicator binds the current device
         # The group first: model layers read get_tp() while they are built, to size their shards.
@@ -203,10 +205,13 @@ class Worker:
             self.draft_proposer.capture_cuda_graphs(self.config.scheduler.max_num_seqs, runner.max_num_blocks_per_req)
 
     def drop_cuda_graphs(self) -> None:
-        """Forgets both models' graphs (before the KV memory they point at is freed)."""
-        self.model_runner.cuda_graphs = None
-        if self.draft_proposer is not None:
-            self.draft_proposer.cuda_graphs = None
+        """Releases both models' graphs and their memory pools (before the KV memory they point at is freed)."""
+        self.synchronize()  # a replay may still be queued
+        for owner in (self.model_runner, self.draft_proposer):
+            graphs = getattr(owner, "cuda_graphs", None)
+            if graphs is not None:
+                graphs.release()
+                owner.cuda_graphs = None
 
     # ---- kernel warm-up: every Triton variant compiles before serving, not during a timed step ----
 
@@ -406,7 +411,34 @@ class Worker:
             torch.cuda.synchronize(self.device)
 
     def shutdown(self) -> None:
-        """Leaves the tensor- and expert-parallel groups (a worker process calls this before it exits)."""
-        self.weight_updaters.cancel_init()  # a rendezvous still running: what it builds is shut down
-        destroy_expert_parallel()
-        destroy_tensor_parallel()
+        """Shuts the transfer engines down, leaves the tensor- and expert-parallel groups and gives back every
+        tensor the worker holds on its device before it returns; idempotent. The worker serves nothing afterwards.
+
+        Explicitly, not by dropping references: the caller may still hold the engine (a variable after its
+        `with` block), and the weights, the KV cache and the graphs must be free for the next engine then.
+        """
+        if self._shut_down:
+            return
+        self._shut_down = True
+        try:
+            self.weight_updaters.release()  # a rendezvous still running: what it builds is shut down
+            destroy_expert_parallel()
+            destroy_tensor_parallel()
+        finally:
+            self._release_memory()
+
+    def _release_memory(self) -> None:
+        """Weights, KV cache, CUDA graphs and their pool, the draft model, the step in flight, the host copies of
+        sleeping weights; then the allocator's cache and cuBLAS's workspaces go back to the device."""
+        self.synchronize()  # nothing queued may still read what is freed below
+        self.drop_cuda_graphs()
+        self.model_runner.release()
+        sleeper = self.__dict__.pop("_sleeper", None)
+        if sleeper is not None:
+            sleeper.release()
+        for layer in self.attn_layers:
+            layer.kv_cache = None
+        for model in (self.model, self.draft_model):
+            if model is not None:
+                release_module_tensors(model)
+        release_device_caches(self.device)
