@@ -68,7 +68,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     """Bytes to give the KV cache (overrides gpu_memory_utilization and the CPU default)."""
     gpu_memory_utilization: float = 0.9
-    """Fraction of device memory the engine may use on GPU (weights + activations + KV)."""
+    """This engine's share of the GPU (per engine, as in vLLM: two engines at 0.4 fit one GPU): its weights and its KV cache, which gets the share less the weights and must fit in the memory free at start-up (an error names who holds the rest). Activations and CUDA graphs use memory beyond the share."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

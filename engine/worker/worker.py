@@ -24,6 +24,7 @@ from engine.kernels.batch_invariant import set_batch_invariant
 from engine.kernels.sampling import gumbel_row_classes
 from engine.models.loader import load_hf_config, load_model
 from engine.sample import Sampler, SamplingMetadata, make_generator
+from engine.worker.memory import DeviceMemory, kv_cache_budget
 from engine.worker.model_runner import ModelRunner, forward_without_kv_writes
 from engine.worker.release import release_device_caches, release_module_tensors
 from engine.worker.runner_output import ModelRunnerOutput
@@ -86,6 +87,9 @@ class Worker:
         self._shut_down = False
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # before NCCL: its communicator binds the current device
+        # What this process had allocated on the device before the engine: determine_num_blocks counts the
+        # difference as the engine's own (its weights). A caller's thread allocating meanwhile counts too.
+        self._allocated_before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         # The group first: model layers read get_tp() while they are built, to size their shards.
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         init_tensor_parallel(tp_size, rank, init_method, backend=backend)
@@ -156,15 +160,22 @@ class Worker:
         return per_token * self.config.cache.block_size * elem
 
     def determine_num_blocks(self) -> int:
+        """How many KV blocks this rank can hold; ValueError saying who holds the memory when none fits
+        (engine/worker/memory.py has the rule)."""
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
-        if cache.kv_cache_memory_bytes is not None:
-            budget = cache.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # what loading left cached goes back first, so free is what the KV cache can take
             free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = int(total * cache.gpu_memory_utilization) - used
+            budget = kv_cache_budget(
+                DeviceMemory(total, free, torch.cuda.memory_reserved(self.device), str(self.device)),
+                engine_bytes=max(0, torch.cuda.memory_allocated(self.device) - self._allocated_before),
+                utilization=cache.gpu_memory_utilization, block_bytes=self.kv_bytes_per_block,
+                kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
+            )
+        elif cache.kv_cache_memory_bytes is not None:
+            budget = cache.kv_cache_memory_bytes
         else:
             budget = min(_CPU_DEFAULT_KV_BYTES, _available_host_memory() // 2)
             # More blocks than every sequence at full length could use is wasted memory.
