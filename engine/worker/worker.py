@@ -215,9 +215,13 @@ class Worker:
         if self.draft_proposer is not None and runner.cuda_graphs is not None:
             self.draft_proposer.capture_cuda_graphs(self.config.scheduler.max_num_seqs, runner.max_num_blocks_per_req)
 
-    def drop_cuda_graphs(self) -> None:
-        """Releases both models' graphs and their memory pools (before the KV memory they point at is freed)."""
-        self.synchronize()  # a replay may still be queued
+    def drop_cuda_graphs(self, wait: bool = True) -> None:
+        """Releases both models' graphs and their memory pools (before the KV memory they point at is freed).
+
+        wait: first wait for the device (a replay may still be queued); shutdown has waited already, or
+        cannot (the device reports an error)."""
+        if wait:
+            self.synchronize()
         for owner in (self.model_runner, self.draft_proposer):
             graphs = getattr(owner, "cuda_graphs", None)
             if graphs is not None:
@@ -441,8 +445,13 @@ class Worker:
     def _release_memory(self) -> None:
         """Weights, KV cache, CUDA graphs and their pool, the draft model, the step in flight, the host copies of
         sleeping weights; then the allocator's cache and cuBLAS's workspaces go back to the device."""
-        self.synchronize()  # nothing queued may still read what is freed below
-        self.drop_cuda_graphs()
+        try:
+            self.synchronize()  # nothing queued may still read what is freed below
+            device_ok = True
+        except RuntimeError as e:  # a device error (a failed kernel) is sticky: the tensors are dropped all the same
+            logger.warning("Worker shutdown: the device reports %s; releasing its tensors without waiting for it", e)
+            device_ok = False
+        self.drop_cuda_graphs(wait=False)
         self.model_runner.release()
         sleeper = self.__dict__.pop("_sleeper", None)
         if sleeper is not None:
@@ -452,4 +461,5 @@ class Worker:
         for model in (self.model, self.draft_model):
             if model is not None:
                 release_module_tensors(model)
-        release_device_caches(self.device)
+        if device_ok:  # the allocator's calls would raise the device's error again
+            release_device_caches(self.device)

@@ -96,6 +96,23 @@ def test_llm_shutdown_frees_every_storage_and_a_new_llm_serves_the_same(tiny_che
             assert_all_dead(refs)
 
 
+def test_shutdown_after_a_device_error_still_frees_every_storage(tiny_checkpoint):
+    """A failed kernel leaves the device reporting an error on every later wait: shutdown drops the tensors
+    anyway and does not raise it again."""
+    llm = LLM(tiny_checkpoint("llama"), **ENGINE_ARGS)
+    worker = llm.engine_core.executor.worker
+
+    def device_error() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    worker.synchronize = device_error  # the one call through which the worker waits for its device
+    refs = storage_refs(worker)
+    del worker
+    with collector_off():
+        llm.shutdown()
+        assert_all_dead(refs)
+
+
 def test_llm_dropped_without_shutdown_is_freed_by_reference_counting(tiny_checkpoint):
     """No reference cycle holds the engine: the last reference gone, its worker and weights go too."""
     llm = LLM(tiny_checkpoint("llama"), **ENGINE_ARGS)
