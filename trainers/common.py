@@ -71,6 +71,8 @@ def start_worker(model: ModelConfig, rollout: RolloutConfig):
         "seed": rollout.seed,
         "logprobs_mode": "processed_logprobs",  # after temperature, as the trainer recomputes them
     }
+    if rollout.gpu_memory_utilization is not None:
+        worker_args["gpu_memory_utilization"] = rollout.gpu_memory_utilization
     if rollout.engine == "ray":
         from trainers.engines import RayRolloutEngine
 

@@ -81,6 +81,9 @@ class RolloutConfig:
     """Async mode, stale_policy=downweight: advantage factor per version beyond max_staleness (stale_weight ** excess)."""
     async_lookahead: int | None = None
     """Async mode: steps' worth of groups the producer may submit beyond the served weights; none: max_staleness + 1 (the most that stays within the bound when groups finish in order)."""
+    gpu_memory_utilization: float | None = None
+    """The engine's share of the GPU (weights and KV cache; vLLM's meaning); none: the engine's default (0.9). With
+    colocate on a GPU leave the trainer its part (e.g. 0.4): the engine refuses to start when its share is not free."""
     colocate: bool = False
     """Share the device with the engine: weights sync through the ipc backend (shared memory on CPU, CUDA IPC on GPU) and the worker sleeps while the trainer trains."""
     engine: EngineKind = "inprocess"
@@ -96,6 +99,8 @@ class RolloutConfig:
         check_range("rollout.temperature", self.temperature, 0.0, low_open=True)
         check_range("rollout.max_tokens", self.max_tokens, 1)
         check_range("rollout.max_model_len", self.max_model_len, 2)
+        if self.gpu_memory_utilization is not None:
+            check_range("rollout.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
         if self.max_tokens >= self.max_model_len:
             raise ValueError(
                 f"rollout.max_tokens: {self.max_tokens} leaves no room for a prompt in max_model_len={self.max_model_len}"

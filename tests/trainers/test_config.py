@@ -118,3 +118,17 @@ def test_module_reports_a_bad_flag_value_naming_the_field(model_dir):
 def test_logging_defaults_are_offline_and_neutral():
     config = LoggingConfig()
     assert config.wandb_mode == "offline" and config.output_dir == "runs/train"
+
+
+def test_rollout_gpu_memory_utilization_is_passed_to_the_worker_and_checked(monkeypatch, tiny_checkpoint):
+    from trainers import common
+
+    with pytest.raises(ValueError, match="rollout.gpu_memory_utilization"):
+        RolloutConfig(gpu_memory_utilization=1.5)
+    seen = {}
+    monkeypatch.setattr("rollout.RolloutWorker", lambda **kwargs: seen.update(kwargs))
+    common.start_worker(ModelConfig(path=tiny_checkpoint("llama")), RolloutConfig(gpu_memory_utilization=0.4))
+    assert seen["gpu_memory_utilization"] == 0.4
+    seen.clear()
+    common.start_worker(ModelConfig(path=tiny_checkpoint("llama")), RolloutConfig())
+    assert "gpu_memory_utilization" not in seen  # the engine's own default
