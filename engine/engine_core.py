@@ -342,9 +342,7 @@ class EngineCore:
 
     @between_steps  # tokens of the step in flight belong to the version they were computed with
     def update_weight_version(self, new_version: str) -> None:
-        if not isinstance(new_version, str) or not new_version:
-            raise ValueError(f"new_version: a weight_version is a non-empty string, got {new_version!r}")
-        self.weight_version = new_version
+        self.weight_version = _checked_version("new_version", new_version)
         if self._serving_checkpoint:  # a label for the checkpoint's own weights, kept across re-loads
             self._checkpoint_weight_version = new_version
 
@@ -463,8 +461,8 @@ class EngineCore:
         in-flight requests (e.g. frozen by a keep-mode pause) drop their KV and recompute
         prompt + output so far with the new weights when they are next scheduled.
         """
-        if weight_version is not None and (not isinstance(weight_version, str) or not weight_version):
-            raise ValueError(f"weight_version: expected a non-empty string, got {weight_version!r}")
+        if weight_version is not None:
+            _checked_version("weight_version", weight_version)
         self.executor.rpc(Worker.finish_weight_update)
         self._serving_checkpoint = False
         self.control.end_weight_update(consistent=True)
@@ -524,6 +522,13 @@ class EngineCore:
         WorkerDiedError (an EngineDeadError): "the executor was shut down"."""
         self._in_flight = self._drained = None  # a launched step holds its sampled ids on the device
         self.executor.shutdown()
+
+
+def _checked_version(name: str, version: object) -> str:
+    """`version` if it can label weights (a non-empty string); else ValueError naming the argument `name`."""
+    if not isinstance(version, str) or not version:
+        raise ValueError(f"{name}: a weight_version is a non-empty string, got {version!r}")
+    return version
 
 
 class InjectedFault(RuntimeError):

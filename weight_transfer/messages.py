@@ -102,6 +102,8 @@ def _decode(message_type: type, value: Any) -> Any:
         if type(dtype) is torch.dtype:
             return dtype
         raise ValueError(f"{_shown(value)} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
+    # msgspec's dec_hook protocol: NotImplementedError says "not a type this hook converts", which msgspec
+    # then reports as an unsupported type (no message here declares one).
     raise NotImplementedError(f"no wire form for {message_type!r}")
 
 

@@ -3,9 +3,9 @@
 Every gpu-marked test lives in tests/gpu (tests/conftest.py enforces it), but several of them drive
 helpers written for their CPU siblings: tp_group / ep_group and test_ep_forward's RANK_STEPS in
 tests/distributed, weight_helpers / sync_helpers and the in-process pairs of test_nccl_backend and
-test_sharded_rdt_backend in tests/weights. The tests import those as top-level modules, which works
+test_sharded_rdt_backend in tests/weights, test_engine_release's collector_off in tests/engine. The tests import those as top-level modules, which works
 in their own directories only because pytest's default ("prepend") import mode puts each test
-file's directory on sys.path; from tests/gpu it puts only tests/gpu there. So the two directories
+file's directory on sys.path; from tests/gpu it puts only tests/gpu there. So those directories
 are appended here, before any test module of this directory is imported. Appended, not prepended:
 a name in tests/gpu (or the repository root, first through pyproject's `pythonpath`) still wins.
 Spawned child processes (the nccl engine process, the TP/EP ranks) inherit this sys.path.
@@ -19,7 +19,7 @@ import sys
 import pytest
 
 _TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _helpers in ("weights", "distributed"):
+for _helpers in ("weights", "distributed", "engine"):
     _path = os.path.join(_TESTS, _helpers)
     if _path not in sys.path:
         sys.path.append(_path)

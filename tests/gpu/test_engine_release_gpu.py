@@ -10,7 +10,6 @@ in-process one at 0.4 was used in a `with` block.
 from __future__ import annotations
 
 import gc
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.worker.release import release_device_caches
 from rollout import RolloutWorker
+from test_engine_release import collector_off  # tests/engine (tests/gpu/conftest.py): no collection inside
 
 pytestmark = pytest.mark.gpu
 
@@ -26,18 +26,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [5, 17, 42, 8, 99, 3] * 4}, {"prompt_token_ids": [7, 7, 120, 64, 1, 2, 33]},
            {"prompt_token_ids": [150, 2, 9]}]
 ROUNDS = 5
-
-
-@contextmanager
-def collector_off():
-    """What the engine held must go by reference counting and explicit release alone."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def settled_allocated() -> tuple[int, int]:
