@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
 from engine.metrics.prometheus import registry_snapshot
+from engine.metrics.rl import frontend_metrics_text
 
 
 class MultiEngineCollector:
@@ -43,7 +44,8 @@ class MultiEngineMetrics:
         self.registry.register(MultiEngineCollector(registries))
 
     def prometheus_text(self) -> bytes:
-        return generate_latest(self.registry)
+        """The engines' families, then the frontend-wide RL families (once: they are the process's)."""
+        return generate_latest(self.registry) + frontend_metrics_text()
 
     def snapshot(self) -> dict[str, float]:
         """Like PrometheusStatLogger.snapshot: counters added up over engines, fraction gauges averaged."""

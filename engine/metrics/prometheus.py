@@ -21,6 +21,7 @@ from engine.core.stats import SchedulerStats, SpecDecodingStats
 from engine.metrics.base import StatLoggerBase
 from engine.metrics.flops import estimator_for
 from engine.metrics.iteration_stats import IterationStats
+from engine.metrics.rl import frontend_metrics_text
 from engine.wire import FinishReason
 
 PREFIX = "rollout:"
@@ -193,8 +194,8 @@ class PrometheusStatLogger(StatLoggerBase):
         self.weight_update_duration.labels(self.model_name, str(engine_index), operation).observe(seconds)
 
     def prometheus_text(self) -> bytes:
-        """The registry in the Prometheus text format (the body of GET /metrics)."""
-        return generate_latest(self.registry)
+        """The registry in the Prometheus text format, then the frontend-wide RL families (the body of GET /metrics)."""
+        return generate_latest(self.registry) + frontend_metrics_text()
 
     def snapshot(self) -> dict[str, float]:
         """Every sample as a plain number (see registry_snapshot)."""

@@ -62,8 +62,8 @@ def test_counters_per_engine_and_position(spec_config):
     manager.record(spec_stats((1, 1)), None, engine_index=0)
     manager.record(SchedulerStats(), None, engine_index=0)  # no speculation this step: nothing moves
     after = families(manager.prometheus_text())
-    for family in after.values():
-        for sample in family.samples:
+    for name in SPEC_COUNTERS:
+        for sample in after[name].samples:
             assert sample.labels["model_name"] == "tiny"
     assert counter_values(after["rollout:spec_decode_num_drafts"]) == {("0", None): 1, ("1", None): 4}
     assert counter_values(after["rollout:spec_decode_num_draft_tokens"]) == {("0", None): 1, ("1", None): 11}

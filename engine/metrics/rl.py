@@ -1,0 +1,115 @@
+"""Frontend-wide RL metrics under vLLM's names: how long each weight-transfer and sleep-mode call takes and how many are awaited now.
+
+vLLM 0.33 records these at its HTTP routes, per operation and without engine labels, in one
+process-wide registry; so do we. The families live in FRONTEND_REGISTRY (not in an engine's
+registry, so a data-parallel group that merges its engines' registries shows them once);
+`frontend_metrics_text()` is appended to every /metrics body by the stat loggers.
+
+Use around the call that does the work, failed calls included (vLLM counts those too):
+
+    with weight_operation_metrics().record("update"):
+        await engine.update_weights(request)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Literal, get_args
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+
+WeightOperation = Literal["init", "shutdown", "start", "start_draft", "update", "finish"]
+SleepModeOperation = Literal["sleep", "release_kv_cache_memory", "wake"]
+
+WEIGHT_OPERATIONS: tuple[str, ...] = get_args(WeightOperation)
+SLEEP_MODE_OPERATIONS: tuple[str, ...] = get_args(SleepModeOperation)
+
+# Seconds; vLLM's boundaries for both families (a tiny update to a 10-minute cold init).
+OPERATION_BUCKETS = (0.01, 0.1, 1.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+FRONTEND_REGISTRY = CollectorRegistry()
+"""The process's frontend-wide families (this module's); engines' families are in their own registries."""
+
+
+class OperationMetrics:
+    """A duration histogram and an in-flight gauge, both labelled `operation` only."""
+
+    def __init__(self, prefix: str, what: str, operations: tuple[str, ...], registry: CollectorRegistry) -> None:
+        self.operations = operations
+        self.duration = Histogram(
+            f"vllm:{prefix}_duration_seconds",
+            f"Duration of one {what} operation.",
+            ["operation"],
+            buckets=OPERATION_BUCKETS,
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            f"vllm:{prefix}s_in_flight",
+            f"{what.capitalize()} operations currently awaited.",
+            ["operation"],
+            registry=registry,
+        )
+
+    @contextmanager
+    def record(self, operation: str) -> Iterator[None]:
+        """Counts `operation` in flight while the block runs, then observes its duration (also when it raises)."""
+        if operation not in self.operations:
+            raise ValueError(f"operation: {operation!r} is not one of {list(self.operations)}")
+        in_flight = self.in_flight.labels(operation)
+        in_flight.inc()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            in_flight.dec()
+            self.duration.labels(operation).observe(time.perf_counter() - start)
+
+
+_lock = threading.Lock()
+_weight_operations: OperationMetrics | None = None
+_sleep_mode_operations: OperationMetrics | None = None
+
+
+def weight_operation_metrics() -> OperationMetrics:
+    """vllm:rl_weight_update_operation_duration_seconds and vllm:rl_weight_update_operations_in_flight,
+    for the operations init, start, start_draft, update, finish and shutdown (made on first use)."""
+    global _weight_operations
+    with _lock:
+        if _weight_operations is None:
+            _weight_operations = OperationMetrics(
+                "rl_weight_update_operation", "weight-transfer", WEIGHT_OPERATIONS, FRONTEND_REGISTRY
+            )
+        return _weight_operations
+
+
+def sleep_mode_operation_metrics() -> OperationMetrics:
+    """vllm:sleep_mode_operation_duration_seconds and vllm:sleep_mode_operations_in_flight, for the
+    operations sleep, release_kv_cache_memory and wake (made on first use)."""
+    global _sleep_mode_operations
+    with _lock:
+        if _sleep_mode_operations is None:
+            _sleep_mode_operations = OperationMetrics(
+                "sleep_mode_operation", "sleep-mode", SLEEP_MODE_OPERATIONS, FRONTEND_REGISTRY
+            )
+        return _sleep_mode_operations
+
+
+def frontend_metrics_text() -> bytes:
+    """FRONTEND_REGISTRY in the Prometheus text format (empty until a family is first used, as in vLLM)."""
+    return generate_latest(FRONTEND_REGISTRY)
+
+
+# vllm:engine_sleep_state: one series per state name, 1 for the engine's state, 0 for the others.
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+
+
+def sleep_state_values(sleep_level: int) -> dict[str, int]:
+    """The vllm:engine_sleep_state values for an engine at `sleep_level` (0 awake, 1 weights
+    offloaded, 2 weights discarded), as SchedulerStats.sleep_level reports it."""
+    if sleep_level not in (0, 1, 2):
+        raise ValueError(f"sleep_level: expected 0, 1 or 2, got {sleep_level!r}")
+    return {"awake": int(sleep_level == 0), "weights_offloaded": int(sleep_level == 1),
+            "discard_all": int(sleep_level == 2)}  # fmt: skip
