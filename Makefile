@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch; a bare `torch` would pull a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: test test-fast demo generate-demo bench clean
+.PHONY: test test-fast demo generate-demo bench clean vllm033 clean-vllm033
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -16,11 +16,33 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 venv: $(VENV)/.installed
 
-# pytest exits 5 when it collected no tests; that must fail, so no special-casing here.
-test: $(VENV)/.installed
-	$(PY) -m pytest tests
+# The compat tier's vLLM 0.33 (tests/compat/README.md): the wheel's Python files unpacked into
+# build/vllm033/site (its compiled parts left out) and the pure-Python packages those modules
+# import, installed without dependencies into build/vllm033/deps. Only tests/compat puts either on
+# sys.path. The wheel is fetched by pip with its pinned sha256; an existing download is reused.
+VLLM033 := build/vllm033
+VLLM033_REQ := tests/compat/vllm033-wheel.txt
+VLLM033_DEPS := tests/compat/vllm033-deps.txt
 
-test-fast: $(VENV)/.installed
+$(VLLM033)/.built: $(VENV)/.installed $(VLLM033_REQ) $(VLLM033_DEPS) tests/compat/build_vllm033.py
+	rm -f $@
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --require-hashes -r $(VLLM033_REQ) -d $(VLLM033)/wheel
+	$(PY) tests/compat/build_vllm033.py $(VLLM033)/wheel/vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl $(VLLM033)/site
+	rm -rf $(VLLM033)/deps
+	$(PY) -m pip install -q --no-deps --target $(VLLM033)/deps -r $(VLLM033_DEPS)
+	touch $@
+
+vllm033: $(VLLM033)/.built
+
+clean-vllm033:
+	rm -rf $(VLLM033)
+
+# pytest exits 5 when it collected no tests; that must fail, so no special-casing here.
+# ROLLOUT_REQUIRE_COMPAT=1: the compat tier was built, so a skip there fails the run (tests/compat/conftest.py).
+test: $(VENV)/.installed $(VLLM033)/.built
+	ROLLOUT_REQUIRE_COMPAT=1 $(PY) -m pytest tests
+
+test-fast: $(VENV)/.installed $(VLLM033)/.built
 	$(PY) -m pytest tests -m "not slow"
 
 # GRPO on the committed tiny model (two-digit addition): held-out accuracy before and after,
