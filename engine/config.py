@@ -253,6 +253,8 @@ class WeightTransferConfig:
 
     weight_transfer_allowed_hosts: list[str] = field(default_factory=lambda: list(LOOPBACK_HOSTS))
     """Hosts the engine may connect to for weight transfer (nccl, sparse_nccl: init_info master_address), checked before any connection: host names, IP addresses, CIDR networks (10.0.0.0/8) or * for any host. Default: loopback only."""
+    weight_transfer_allow_pickled_ipc_handles: bool = False
+    """Read vLLM's pickled CUDA IPC handles (ipc backend, update_info ipc_handles_pickled; vLLM's switch is VLLM_ALLOW_INSECURE_SERIALIZATION=1), through an allow-list that admits only rebuild_cuda_tensor's argument tuples (torch.Tensor/Parameter, torch.Size, the storage classes, dtypes, ints, bytes); off: such an update is refused (HTTP 400). Anyone who can reach the weight routes could then make the engine map CUDA memory of any process on its GPU."""
 
     def __post_init__(self) -> None:
         AllowedHosts.parse(self.weight_transfer_allowed_hosts)  # ValueError naming a bad entry

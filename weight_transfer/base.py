@@ -128,6 +128,9 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         self.device = device
         # This worker's place in its engine (tensor parallelism): set by bind_worker before init_transfer.
         self.worker_rank, self.workers_per_engine = 0, 1
+        # WeightTransferConfig.weight_transfer_allow_pickled_ipc_handles, set by the worker before init_transfer:
+        # whether vLLM's pickled ipc handles may be read (only the ipc backend has any).
+        self.allow_pickled_ipc_handles = False
 
     def bind_worker(self, worker_rank: int, workers_per_engine: int) -> None:
         """Called once, before init_transfer, with this worker's rank among its engine's workers and

@@ -29,6 +29,10 @@ process; its uuid is the same) or "cpu:<boot id>", so each colocated engine work
 buffer on its own device. Today only the sender exports buffers, so the engine's workers must
 all sit on the sender's device (an engine of one worker, colocated with trainer rank 0).
 
+vLLM's shape of ipc (init_info {"packed": bool}, update_info with dtype_names and ipc_handles, CUDA
+only) is read by the same engine side and written by IPCTrainerInitInfo(wire="vllm" or
+"vllm_packed"): weight_transfer/ipc_vllm.py.
+
 Failure handling: every wait has a limit (timeout_s). The engine's wait for a fill ends with
 TimeoutError when a trainer stalls or dies (the worker then restores the previous weights); a
 trainer that fails sets the control block's abort word, so a waiting engine stops at once,
@@ -49,14 +53,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 import msgspec
 import numpy as np
 import torch
 
-from weight_transfer import packing
+from weight_transfer import ipc_vllm, packing
 from weight_transfer.base import (
+    DEFAULT_INIT_TIMEOUT_S,
     InitInfo,
     ParamMeta,
     Rendezvous,
@@ -68,7 +73,7 @@ from weight_transfer.base import (
     WeightUpdateInfo,
 )
 from weight_transfer.clients import call_in_background
-from weight_transfer.messages import Message, NonEmptyStr, NonNegInt, TimeoutS, int_in
+from weight_transfer.messages import Message, NonEmptyStr, NonNegInt, TimeoutS, int_in, parse_message
 
 logger = logging.getLogger(__name__)
 
@@ -385,8 +390,14 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         # slot -> (layout, buffer size) of its last pack and the pack's plan: a slot carries the same
         # pack every sync, so its plan is made once. layout is (names, dtypes, shapes) as tuples.
         self._packs: dict[int, tuple[tuple, packing.Pack]] = {}
+        self._vllm: ipc_vllm.VLLMIPCReceiver | None = None  # set when init_info was vLLM's shape
 
     # ---- init ----------------------------------------------------------------------------------
+
+    def parse_init_info(self, init_info: dict) -> IPCInitInfo | ipc_vllm.VLLMIPCInitInfo:
+        if ipc_vllm.is_vllm_init_info(init_info):  # vLLM's trainer: {"packed": bool}, nothing to attach
+            return parse_message(init_info, ipc_vllm.VLLMIPCInitInfo, "init_info")
+        return super().parse_init_info(init_info)
 
     def check_init_info(self, init_info: IPCInitInfo) -> None:
         if init_info.host != device_key(torch.device("cpu")):
@@ -396,15 +407,25 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
             )
 
     def rendezvous(self, init_info: IPCInitInfo) -> Rendezvous:
+        if isinstance(init_info, ipc_vllm.VLLMIPCInitInfo):
+            return Rendezvous(DEFAULT_INIT_TIMEOUT_S, "nobody (vLLM's ipc shape has no rendezvous)")
         # Same machine only (init_info.host is a boot id, not an address): init opens a shared-memory
         # segment and connects nowhere, so there is no host to check against the allowed hosts.
         return Rendezvous(init_info.timeout_s, f"the trainer's ipc control block {init_info.control}")
 
     def init_transfer(self, init_info: IPCInitInfo) -> None:
+        if isinstance(init_info, ipc_vllm.VLLMIPCInitInfo):
+            self._vllm = ipc_vllm.VLLMIPCReceiver(self.device, init_info, self.allow_pickled_ipc_handles)
+            return
         self._control = _Control.attach(init_info.control, "init_info.control")
         self._settings = init_info
 
     # ---- one update_weights call ----------------------------------------------------------------
+
+    def parse_update_info(self, update_info: dict) -> WeightUpdateInfo:
+        if self._vllm is not None:
+            return self._vllm.plan_update(update_info)
+        return super().parse_update_info(update_info)
 
     def plan_update(self, update_info: IPCUpdateInfo) -> IPCWeightUpdate:
         control = self._require_control()
@@ -486,6 +507,9 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         return mapped
 
     def receive_weights(self, info: IPCWeightUpdate) -> Iterator[tuple[str, torch.Tensor]]:
+        if isinstance(info, ipc_vllm.VLLMIPCWeightUpdate):
+            yield from self._vllm.receive_weights(info)
+            return
         control = self._require_control()
         control.set_taken(info.slot, info.seq)
         self._wait_ready(control, info.slot, info.seq, info.names[info.pack.slots[0].index])
@@ -525,6 +549,8 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
     # ---- lifecycle ---------------------------------------------------------------------------------
 
     def finish_update(self) -> None:
+        if self._vllm is not None:
+            self._vllm.finish_update()
         if self._settings is not None and not self._settings.keep_buffers:
             self._release_all()
 
@@ -534,6 +560,8 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         self.finish_update()
 
     def shutdown(self) -> None:
+        if self._vllm is not None:
+            self._vllm.shutdown()
         self._release_all()
         if self._control is not None:
             self._control.close()
@@ -575,6 +603,9 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     between syncs, e.g. for an engine that sleeps; opening costs ~160 ms a buffer on CUDA)."""
     device: str | None = None
     """Where the buffers live (the device the engine worker uses); None: the device of the first tensor sent."""
+    wire: Literal["ours", "vllm", "vllm_packed"] = "ours"
+    """The update_info shape: ours (the ring of shared buffers, CPU or CUDA), or vLLM's (CUDA only, for a vLLM
+    server or ours): "vllm" shares every tensor, "vllm_packed" one buffer of packed_buffer_size_bytes per call."""
 
     def check(self) -> None:
         if self.device is not None:
@@ -584,6 +615,8 @@ class IPCTrainerInitInfo(TrainerInitInfo):
                 raise ValueError(f".device: {self.device!r} is not a torch device ({e})") from None
             if kind not in ("cpu", "cuda"):
                 raise ValueError(f".device: the ipc backend shares cuda or cpu memory, not {self.device!r}")
+            if self.wire != "ours" and kind != "cuda":
+                raise ValueError(f".wire: vLLM's ipc shape ({self.wire!r}) shares CUDA tensors, not {self.device!r} ones")
 
 
 @dataclass
@@ -674,6 +707,8 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
 
     @classmethod
     def _start(cls, init_info: IPCTrainerInitInfo, *, client, source) -> IPCTrainerWeightTransferEngine:
+        if init_info.wire != "ours":  # vLLM's shape: its own engine (weight_transfer/ipc_vllm.py)
+            return ipc_vllm.VLLMShapeIPCTrainer._start(init_info, client=client, source=source)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         engine = cls(init_info, client, source, rank)
         if rank == 0:

@@ -79,12 +79,14 @@ class WeightUpdater:
     """Owns the transfer engine, the update state and the rollback copies of one worker's model."""
 
     def __init__(self, model: nn.Module, device: torch.device, rollback: str = "device",
-                 name: str = TARGET_MODEL, allowed_hosts: AllowedHosts | None = None) -> None:
+                 name: str = TARGET_MODEL, allowed_hosts: AllowedHosts | None = None,
+                 allow_pickled_ipc_handles: bool = False) -> None:
         self.model = model
         self.name = name  # which of the worker's models (WEIGHT_MODELS) this updates
         self.device = device
         # Where a backend may connect (WeightTransferConfig.weight_transfer_allowed_hosts); default loopback only.
         self.allowed_hosts = allowed_hosts if allowed_hosts is not None else AllowedHosts.parse(LOOPBACK_HOSTS)
+        self.allow_pickled_ipc_handles = allow_pickled_ipc_handles  # WeightTransferConfig's, for the ipc backend
         # The HF-name view of the model (elastic EP replaces both when this rank's experts change).
         self.layout = hf_weight_layout(model)
         self.remote = hf_remote_shapes(model)  # other EP ranks' experts: validated, never landed
@@ -118,6 +120,7 @@ class WeightUpdater:
         tp = get_tp()
         engine.bind_worker(tp.rank, tp.size)  # every tensor-parallel worker receives the full tensors itself
         engine.bind_model(self.model)
+        engine.allow_pickled_ipc_handles = self.allow_pickled_ipc_handles
         return PendingInit(engine, engine.parse_init_info(init_info), backend, self.allowed_hosts, self.device)
 
     def install_transfer_engine(self, pending: PendingInit) -> None:

@@ -124,8 +124,9 @@ class Worker:
         )
         # Built while the weights are resident: it records their shapes (sleep mode may empty them).
         self.allowed_hosts = AllowedHosts.parse(config.weight_transfer.weight_transfer_allowed_hosts)
+        allow_pickled = config.weight_transfer.weight_transfer_allow_pickled_ipc_handles
         self.weight_updater = WeightUpdater(self.model, self.device, config.fault_tolerance.weight_update_rollback,
-                                            allowed_hosts=self.allowed_hosts)
+                                            allowed_hosts=self.allowed_hosts, allow_pickled_ipc_handles=allow_pickled)
         self.weight_updaters = WeightUpdaters(self.weight_updater)  # the draft model's joins in _init_speculator
         self.draft_model: torch.nn.Module | None = None
         self.draft_proposer = None
@@ -148,7 +149,8 @@ class Worker:
         self.attn_layers += [m for m in self.draft_model.modules() if isinstance(m, Attention)]
         self.weight_updaters.draft = WeightUpdater(self.draft_model, self.device,
                                                    self.config.fault_tolerance.weight_update_rollback, DRAFT_MODEL,
-                                                   allowed_hosts=self.allowed_hosts)
+                                                   allowed_hosts=self.allowed_hosts,
+                                                   allow_pickled_ipc_handles=self.weight_updater.allow_pickled_ipc_handles)
         self.draft_proposer = DraftModelProposer(spec, self.draft_model, draft_config.architectures[0], self.device,
                                                  runner.state, self.config.cache.block_size)
         runner.set_speculator(self.draft_proposer, spec.num_speculative_tokens)
