@@ -46,12 +46,13 @@ from typing import Annotated, Any, ClassVar
 import msgspec
 import torch
 
-from weight_transfer import packing, safe_pickle
+from weight_transfer import packing
 from weight_transfer.base import SyncStats, TrainerInitInfo, TrainerWeightTransferEngine, WeightSource, WeightUpdateInfo
 from weight_transfer.messages import INT64_MAX, Message, NonEmptyStr, NonNegInt, parse_message
 
 FLAG = "--weight-transfer-allow-pickled-ipc-handles"  # WeightTransferConfig.weight_transfer_allow_pickled_ipc_handles
 _MAX_PICKLED_CHARS = 64 << 20  # base64 of a few hundred thousand handles
+_MAX_PICKLE_BYTES = _MAX_PICKLED_CHARS // 4 * 3
 _MAX_BYTES = 4096  # a CUDA IPC handle is 64 bytes, a ref-counter handle a short file name
 _MAX_DIMS = 64  # torch's limit on a tensor's dimensions
 _NUM_ARGS = 15  # rebuild_cuda_tensor's parameters
@@ -166,7 +167,9 @@ def decode_pickled(text: str, allowed: bool, where: str = "update_info.ipc_handl
     except (binascii.Error, ValueError):
         raise ValueError(f"{where}: not valid base64") from None
     _check_opcodes(raw, where)
-    return safe_pickle.loads(raw, PICKLE_ALLOWED, what=where)
+    from weight_transfer import safe_pickle  # (imported when a pickle is read: the rest of ipc needs none)
+
+    return safe_pickle.loads(raw, PICKLE_ALLOWED, what=where, max_bytes=_MAX_PICKLE_BYTES)
 
 
 # The opcodes of a pickled ipc_handles (lists, dicts, tuples, ints, bytes, strings, globals, torch.Size(...)):
@@ -184,8 +187,8 @@ _DATA_OPCODES = frozenset({
 
 
 def _check_opcodes(raw: bytes, where: str) -> None:
-    if len(raw) > safe_pickle.DEFAULT_MAX_BYTES:
-        raise ValueError(f"{where}: pickle of {len(raw)} bytes is over the {safe_pickle.DEFAULT_MAX_BYTES}-byte limit")
+    if len(raw) > _MAX_PICKLE_BYTES:
+        raise ValueError(f"{where}: pickle of {len(raw)} bytes is over the {_MAX_PICKLE_BYTES}-byte limit")
     refused = None
     try:
         for opcode, _arg, pos in pickletools.genops(raw):
