@@ -398,6 +398,11 @@ def share(tensor: torch.Tensor) -> tuple:
     return args
 
 
+def init_info_of(packed: bool) -> dict:
+    """vLLM's ipc init_info exactly (no "backend": a vLLM server picks it from its --weight-transfer-config)."""
+    return {"packed": packed}
+
+
 def update_info(names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]], ipc_handles: Any,
                 tensor_sizes: list[int] | None = None, *, pickled: bool) -> dict:
     """vLLM's update_info for one call; pickled (base64, as vLLM's HTTP client sends it) or the objects themselves."""
@@ -441,8 +446,8 @@ class VLLMShapeIPCTrainer(TrainerWeightTransferEngine[TrainerInitInfo]):
     def _start(cls, init_info: Any, *, client, source) -> VLLMShapeIPCTrainer:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         engine = cls(init_info, client, source, rank)
-        if rank == 0:  # vLLM's init_info exactly: the server picks the backend (vLLM's --weight-transfer-config)
-            engine._bounded("init_weight_transfer_engine", client.init_weight_transfer_engine, {"packed": engine.packed})
+        if rank == 0:
+            engine._bounded("init_weight_transfer_engine", client.init_weight_transfer_engine, init_info_of(engine.packed))
         return engine
 
     def _send(self, source: WeightSource) -> SyncStats:
