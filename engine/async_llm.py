@@ -70,6 +70,7 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers = StatLoggerManager(config, self.model_name)
         self.engine_core = EngineCoreClient.make_client(config, multiprocess=multiprocess, asyncio_mode=True)
+        self.stat_loggers.log_engine_initialized(self.engine_core.num_blocks)  # vllm:cache_config_info
         # Tokenization and chat templates run here, off the event loop.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self._streams: dict[str, asyncio.Queue] = {}  # user request id -> its outputs
@@ -189,7 +190,8 @@ class AsyncLLM:
             self._queued[child.request_id] = len(child.prompt_token_ids)
             self._num_queued_tokens += len(child.prompt_token_ids)
             self.stat_loggers.on_request_added(
-                child.request_id, child.arrival_time, len(child.prompt_token_ids), parent_id
+                child.request_id, child.arrival_time, len(child.prompt_token_ids), parent_id,
+                request.sampling_params.max_tokens, request.sampling_params.n,
             )
         for child in engine_requests:
             await self.engine_core.add_request_async(child)

@@ -148,6 +148,7 @@ class InprocClient(SyncEngineCoreClient, AsyncEngineCoreClient):
         from engine.engine_core import EngineCore
 
         self.engine_core = EngineCore(config)
+        self.num_blocks = self.engine_core.num_blocks  # KV blocks, as the MP clients' handshake says
         self.enable_fault_tolerance = config.fault_tolerance.enable_fault_tolerance
         self.status = EngineStatus.HEALTHY
         self.log_stats = log_stats

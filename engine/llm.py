@@ -30,7 +30,7 @@ class LLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
         self.stat_loggers = StatLoggerManager(self.config, model_name=model)
-        self.stat_loggers.log_engine_initialized()
+        self.stat_loggers.log_engine_initialized(self.engine_client.num_blocks)
 
     def shutdown(self) -> None:
         """Stops the engine's workers (worker processes or Ray actors, per distributed_executor_backend) and gives
@@ -116,7 +116,8 @@ class LLM:
         parent_id = request.request_id if request.sampling_params.n > 1 else None
         for engine_request in self.output_processor.add_user_request(request, prompt_text):
             self.stat_loggers.on_request_added(
-                engine_request.request_id, request.arrival_time, len(request.prompt_token_ids), parent_id
+                engine_request.request_id, request.arrival_time, len(request.prompt_token_ids), parent_id,
+                request.sampling_params.max_tokens, request.sampling_params.n,
             )
             self.engine_client.add_request(engine_request)
 

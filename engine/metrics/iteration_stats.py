@@ -24,6 +24,8 @@ class RequestStateStats:
     arrival_time: float
     num_prompt_tokens: int
     parent_req_id: str | None = None  # the user request an n > 1 child belongs to
+    max_tokens: int | None = None  # the request's max_tokens parameter (None: not given)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (known with the first token)
     scheduled_time: float = 0.0
     first_token_time: float = 0.0
     last_token_time: float = 0.0
@@ -43,9 +45,12 @@ class FinishedRequestStats:
     queue_time: float  # arrival -> (estimated) start of its first-token step
     prefill_time: float  # that start -> first token (engine clock)
     decode_time: float  # first token -> last token (engine clock)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
+    max_tokens: int | None = None  # the max_tokens parameter, if the request gave one
 
     @property
     def inference_time(self) -> float:
+        """First scheduled -> last token: prefill and decode together."""
         return self.prefill_time + self.decode_time
 
     @property
@@ -63,6 +68,25 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    num_cached_prompt_tokens: int = 0  # of num_prompt_tokens, the tokens found in the prefix cache
+    # Per user request whose last engine request finished in this step: its n parameter, and the
+    # most tokens any of its n sequences generated.
+    n_params: list[int] = field(default_factory=list)
+    max_num_generation_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_computed_prompt_tokens(self) -> int:
+        """Prompt tokens this step's first-token requests prefilled themselves (not cache hits)."""
+        return self.num_prompt_tokens - self.num_cached_prompt_tokens
+
+
+@dataclass(slots=True)
+class _ParentStats:
+    """An n > 1 user request while its children run: how many are left, the longest generation so far."""
+
+    n: int
+    num_unfinished: int
+    max_num_generation_tokens: int = 0
 
 
 class IterationStatsRecorder:
@@ -81,18 +105,38 @@ class IterationStatsRecorder:
 
     def __init__(self) -> None:
         self.requests: dict[str, RequestStateStats] = {}
+        self.parents: dict[str, _ParentStats] = {}
         self._last_step_end: dict[int, float] = {}  # engine_index -> timestamp of its last outputs
 
     def on_request_added(
-        self, req_id: str, arrival_time: float, num_prompt_tokens: int, parent_req_id: str | None = None
+        self,
+        req_id: str,
+        arrival_time: float,
+        num_prompt_tokens: int,
+        parent_req_id: str | None = None,
+        max_tokens: int | None = None,
+        n: int = 1,
     ) -> None:
-        self.requests[req_id] = RequestStateStats(arrival_time, num_prompt_tokens, parent_req_id)
+        """One engine request; an n > 1 user request adds each of its n children with its own id as
+        `parent_req_id` and the same `n`."""
+        self.requests[req_id] = RequestStateStats(arrival_time, num_prompt_tokens, parent_req_id, max_tokens)
+        if parent_req_id is not None:
+            parent = self.parents.get(parent_req_id)
+            if parent is None:
+                self.parents[parent_req_id] = _ParentStats(n, 1)
+            else:
+                parent.num_unfinished += 1
 
     def on_requests_aborted(self, req_ids: Iterable[str]) -> None:
         """Forgets engine requests (children of an n > 1 request by their own ids) without reporting
         them; O(len(req_ids)), whatever else is running."""
         for req_id in req_ids:
-            self.requests.pop(req_id, None)
+            state = self.requests.pop(req_id, None)
+            if state is not None and state.parent_req_id is not None:
+                parent = self.parents[state.parent_req_id]
+                parent.num_unfinished -= 1
+                if parent.num_unfinished == 0:
+                    del self.parents[state.parent_req_id]
 
     def on_engine_outputs(
         self, outputs: EngineCoreOutputs, now: float | None = None, stopped_req_ids: Iterable[str] = ()
@@ -116,6 +160,8 @@ class IterationStatsRecorder:
                     state.first_token_time = engine_time
                     stats.time_to_first_tokens.append(now - state.arrival_time)
                     stats.num_prompt_tokens += state.num_prompt_tokens
+                    state.num_cached_tokens = min(out.num_cached_tokens, state.num_prompt_tokens)
+                    stats.num_cached_prompt_tokens += state.num_cached_tokens
                 else:
                     stats.inter_token_latencies.append(now - state.last_seen_time)
                 state.num_generation_tokens += num_new
@@ -148,5 +194,18 @@ class IterationStatsRecorder:
                 queue_time=queue_time,
                 prefill_time=prefill_time,
                 decode_time=decode_time,
+                num_cached_tokens=state.num_cached_tokens,
+                max_tokens=state.max_tokens,
             )
         )
+        if state.parent_req_id is None:
+            stats.n_params.append(1)
+            stats.max_num_generation_tokens.append(state.num_generation_tokens)
+            return
+        parent = self.parents[state.parent_req_id]
+        parent.num_unfinished -= 1
+        parent.max_num_generation_tokens = max(parent.max_num_generation_tokens, state.num_generation_tokens)
+        if parent.num_unfinished == 0:  # the user request's last sequence: it counts once
+            del self.parents[state.parent_req_id]
+            stats.n_params.append(parent.n)
+            stats.max_num_generation_tokens.append(parent.max_num_generation_tokens)

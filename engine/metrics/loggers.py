@@ -217,16 +217,27 @@ class StatLoggerManager:
         for stat_logger in self._all_loggers():
             stat_logger.log()
 
-    def log_engine_initialized(self) -> None:
+    def log_engine_initialized(self, num_gpu_blocks: int | None = None) -> None:
+        """Once the engine is ready; `num_gpu_blocks` (its KV blocks) goes into vllm:cache_config_info."""
         for stat_logger in self._all_loggers():
-            stat_logger.log_engine_initialized()
+            if stat_logger is self.prometheus_logger:
+                self.prometheus_logger.log_engine_initialized(num_gpu_blocks)
+            else:
+                stat_logger.log_engine_initialized()
 
     # ---- the frontend's side: requests in, engine outputs in ----
 
     def on_request_added(
-        self, req_id: str, arrival_time: float, num_prompt_tokens: int, parent_req_id: str | None = None
+        self,
+        req_id: str,
+        arrival_time: float,
+        num_prompt_tokens: int,
+        parent_req_id: str | None = None,
+        max_tokens: int | None = None,
+        n: int = 1,
     ) -> None:
-        self.iteration_stats.on_request_added(req_id, arrival_time, num_prompt_tokens, parent_req_id)
+        """See IterationStatsRecorder.on_request_added."""
+        self.iteration_stats.on_request_added(req_id, arrival_time, num_prompt_tokens, parent_req_id, max_tokens, n)
 
     def on_requests_aborted(self, req_ids: Iterable[str]) -> None:
         self.iteration_stats.on_requests_aborted(req_ids)

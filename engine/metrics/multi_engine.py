@@ -16,7 +16,9 @@ class MultiEngineCollector:
 
     Every frontend of a data-parallel group labels its own engine "0"; this collector rewrites
     the `engine` label to the registry's position, and merges families of the same name, since
-    the text format allows one HELP/TYPE block per family.
+    the text format allows one HELP/TYPE block per family. A series without an `engine` label
+    (vllm:admission_rejections counts per frontend) is the same series in every registry: the
+    group shows it once, its values added up (counters: the group's total).
     """
 
     def __init__(self, registries: Sequence[CollectorRegistry]) -> None:
@@ -24,6 +26,7 @@ class MultiEngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         merged: dict[str, Metric] = {}
+        shared: dict[tuple, int] = {}  # (family, sample name, labels) of a series without `engine` -> its index
         for engine_index, registry in enumerate(self.registries):
             label = str(engine_index)
             for family in registry.collect():
@@ -31,8 +34,17 @@ class MultiEngineCollector:
                 if target is None:
                     target = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
                 for sample in family.samples:
-                    labels = {**sample.labels, "engine": label} if "engine" in sample.labels else sample.labels
-                    target.samples.append(sample._replace(labels=labels))
+                    if "engine" in sample.labels:
+                        target.samples.append(sample._replace(labels={**sample.labels, "engine": label}))
+                        continue
+                    key = (family.name, sample.name, tuple(sorted(sample.labels.items())))
+                    index = shared.get(key)
+                    if index is None:
+                        shared[key] = len(target.samples)
+                        target.samples.append(sample)
+                    elif not sample.name.endswith("_created"):  # _created: the first registry's stays
+                        first = target.samples[index]
+                        target.samples[index] = first._replace(value=first.value + sample.value)
         yield from merged.values()
 
 

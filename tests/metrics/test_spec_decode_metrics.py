@@ -12,10 +12,10 @@ from engine.metrics.multi_engine import MultiEngineMetrics
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 SPEC_COUNTERS = [
-    "rollout:spec_decode_num_drafts",
-    "rollout:spec_decode_num_draft_tokens",
-    "rollout:spec_decode_num_accepted_tokens",
-    "rollout:spec_decode_num_accepted_tokens_per_pos",
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+    "vllm:spec_decode_num_accepted_tokens_per_pos",
 ]
 
 
@@ -53,7 +53,7 @@ def test_counters_per_engine_and_position(spec_config):
     for name in SPEC_COUNTERS:  # listed before the first step, at zero, for every engine (and position)
         assert before[name].type == "counter", name
         assert all(v == 0 for v in counter_values(before[name]).values()), name
-    assert set(counter_values(before["rollout:spec_decode_num_accepted_tokens_per_pos"])) == {
+    assert set(counter_values(before["vllm:spec_decode_num_accepted_tokens_per_pos"])) == {
         (e, p) for e in "01" for p in "012"
     }
 
@@ -65,19 +65,19 @@ def test_counters_per_engine_and_position(spec_config):
     for name in SPEC_COUNTERS:
         for sample in after[name].samples:
             assert sample.labels["model_name"] == "tiny"
-    assert counter_values(after["rollout:spec_decode_num_drafts"]) == {("0", None): 1, ("1", None): 4}
-    assert counter_values(after["rollout:spec_decode_num_draft_tokens"]) == {("0", None): 1, ("1", None): 11}
-    assert counter_values(after["rollout:spec_decode_num_accepted_tokens"]) == {("0", None): 1, ("1", None): 7}
-    assert counter_values(after["rollout:spec_decode_num_accepted_tokens_per_pos"]) == {
+    assert counter_values(after["vllm:spec_decode_num_drafts"]) == {("0", None): 1, ("1", None): 4}
+    assert counter_values(after["vllm:spec_decode_num_draft_tokens"]) == {("0", None): 1, ("1", None): 11}
+    assert counter_values(after["vllm:spec_decode_num_accepted_tokens"]) == {("0", None): 1, ("1", None): 7}
+    assert counter_values(after["vllm:spec_decode_num_accepted_tokens_per_pos"]) == {
         ("0", "0"): 1, ("0", "1"): 0, ("0", "2"): 0,
         ("1", "0"): 3, ("1", "1"): 3, ("1", "2"): 1,
     }  # fmt: skip
 
     snap = manager.get_metrics_snapshot()  # engines added up
-    assert snap["rollout:spec_decode_num_drafts_total"] == 5
-    assert snap["rollout:spec_decode_num_draft_tokens_total"] == 12
-    assert snap["rollout:spec_decode_num_accepted_tokens_total"] == 8
-    per_pos = [snap[f'rollout:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] for i in range(3)]
+    assert snap["vllm:spec_decode_num_drafts_total"] == 5
+    assert snap["vllm:spec_decode_num_draft_tokens_total"] == 12
+    assert snap["vllm:spec_decode_num_accepted_tokens_total"] == 8
+    per_pos = [snap[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] for i in range(3)]
     assert per_pos == [4, 3, 1]
 
 
@@ -92,8 +92,8 @@ def test_no_spec_families_without_speculation_until_stats_arrive(engine_config):
     manager.record(spec_stats((2, 2)), None, engine_index=1)
     manager.record(spec_stats((3, 3)), None, engine_index=0)
     got = families(manager.prometheus_text())
-    assert counter_values(got["rollout:spec_decode_num_drafts"]) == {("0", None): 1, ("1", None): 2}
-    assert counter_values(got["rollout:spec_decode_num_accepted_tokens_per_pos"]) == {
+    assert counter_values(got["vllm:spec_decode_num_drafts"]) == {("0", None): 1, ("1", None): 2}
+    assert counter_values(got["vllm:spec_decode_num_accepted_tokens_per_pos"]) == {
         ("0", "0"): 1, ("0", "1"): 1, ("0", "2"): 1,
         ("1", "0"): 2, ("1", "1"): 1, ("1", "2"): 0,
     }  # fmt: skip
@@ -105,15 +105,15 @@ def test_data_parallel_registries_keep_spec_counters_apart(spec_config):
     managers[1].record(spec_stats((3, 3), (3, 2)), None)
     metrics = MultiEngineMetrics([m.prometheus_logger.registry for m in managers])
     got = families(metrics.prometheus_text())
-    assert counter_values(got["rollout:spec_decode_num_accepted_tokens"]) == {("0", None): 1, ("1", None): 5}
-    assert counter_values(got["rollout:spec_decode_num_accepted_tokens_per_pos"]) == {
+    assert counter_values(got["vllm:spec_decode_num_accepted_tokens"]) == {("0", None): 1, ("1", None): 5}
+    assert counter_values(got["vllm:spec_decode_num_accepted_tokens_per_pos"]) == {
         ("0", "0"): 1, ("0", "1"): 0, ("0", "2"): 0,
         ("1", "0"): 2, ("1", "1"): 2, ("1", "2"): 1,
     }  # fmt: skip
     snap = metrics.snapshot()
-    assert snap["rollout:spec_decode_num_drafts_total"] == 3
-    assert snap["rollout:spec_decode_num_draft_tokens_total"] == 9
-    assert snap['rollout:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] == 3
+    assert snap["vllm:spec_decode_num_drafts_total"] == 3
+    assert snap["vllm:spec_decode_num_draft_tokens_total"] == 9
+    assert snap['vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] == 3
 
 
 def test_stats_from_the_engine_process_decode_into_the_same_counters(spec_config):
@@ -126,8 +126,8 @@ def test_stats_from_the_engine_process_decode_into_the_same_counters(spec_config
     manager = StatLoggerManager(spec_config, "tiny")
     manager.record(decoded, None)
     snap = manager.get_metrics_snapshot()
-    assert snap["rollout:spec_decode_num_draft_tokens_total"] == 4
-    assert snap['rollout:spec_decode_num_accepted_tokens_per_pos_total{position="1"}'] == 1
+    assert snap["vllm:spec_decode_num_draft_tokens_total"] == 4
+    assert snap['vllm:spec_decode_num_accepted_tokens_per_pos_total{position="1"}'] == 1
 
 
 def logged_line(stat_logger, caplog):
@@ -177,17 +177,17 @@ def test_llm_with_ngram_speculation_exports_consistent_counters(tiny_checkpoint,
     assert all(len(o.outputs[0].token_ids) == 30 for o in outputs)
 
     snap = llm.get_metrics_snapshot()
-    num_drafts = snap["rollout:spec_decode_num_drafts_total"]
-    num_draft_tokens = snap["rollout:spec_decode_num_draft_tokens_total"]
-    num_accepted = snap["rollout:spec_decode_num_accepted_tokens_total"]
-    per_pos = [snap[f'rollout:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] for i in range(3)]
+    num_drafts = snap["vllm:spec_decode_num_drafts_total"]
+    num_draft_tokens = snap["vllm:spec_decode_num_draft_tokens_total"]
+    num_accepted = snap["vllm:spec_decode_num_accepted_tokens_total"]
+    per_pos = [snap[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] for i in range(3)]
     assert num_drafts > 0 and num_draft_tokens > 0 and num_accepted > 0
     assert num_drafts <= num_draft_tokens <= 3 * num_drafts
     assert num_accepted <= num_draft_tokens
     assert sum(per_pos) == num_accepted
     assert per_pos[0] >= per_pos[1] >= per_pos[2]  # a position is accepted only after the ones before it
     assert per_pos[0] <= num_drafts
-    assert snap["rollout:generation_tokens_total"] == 90  # accepted drafts count as generated tokens once
+    assert snap["vllm:generation_tokens_total"] == 90  # accepted drafts count as generated tokens once
     totals = llm.engine_core.scheduler.spec_totals  # the scheduler's own running count agrees
     assert num_drafts == totals.num_drafts and num_draft_tokens == totals.num_draft_tokens
     assert num_accepted == totals.num_accepted_tokens

@@ -10,24 +10,43 @@ from engine.core.stats import SchedulerStats, StepWork
 from engine.metrics.iteration_stats import FinishedRequestStats, IterationStats
 from engine.metrics.loggers import LoggingStatLogger, StatLoggerManager
 
-# Family name (as the parser reports it: counters without `_total`) -> type.
+# vLLM family name (as the parser reports it: counters without `_total`) -> type and labels beyond
+# model_name and engine (vLLM 0.33's, vllm/v1/metrics/loggers.py).
 FAMILIES = {
-    "num_requests_running": "gauge",
-    "num_requests_waiting": "gauge",
-    "kv_cache_usage_perc": "gauge",
-    "prefix_cache_queries": "counter",
-    "prefix_cache_hits": "counter",
-    "num_preemptions": "counter",
-    "prompt_tokens": "counter",
-    "generation_tokens": "counter",
-    "request_success": "counter",
-    "time_to_first_token_seconds": "histogram",
-    "inter_token_latency_seconds": "histogram",
-    "e2e_request_latency_seconds": "histogram",
-    "request_queue_time_seconds": "histogram",
-    "admission_rejections": "counter",
-    "estimated_flops_per_gpu": "counter",
-    "estimated_read_bytes_per_gpu": "counter",
+    "num_requests_running": ("gauge", ()),
+    "num_requests_waiting": ("gauge", ()),
+    "num_requests_waiting_by_reason": ("gauge", ("reason",)),
+    "engine_sleep_state": ("gauge", ("sleep_state",)),
+    "kv_cache_usage_perc": ("gauge", ()),
+    "prefix_cache_queries": ("counter", ()),
+    "prefix_cache_hits": ("counter", ()),
+    "external_prefix_cache_queries": ("counter", ()),
+    "external_prefix_cache_hits": ("counter", ()),
+    "num_preemptions": ("counter", ()),
+    "prompt_tokens": ("counter", ()),
+    "prompt_tokens_by_source": ("counter", ("source",)),
+    "prompt_tokens_cached": ("counter", ()),
+    "prompt_tokens_cached_by_source": ("counter", ("source",)),
+    "generation_tokens": ("counter", ()),
+    "request_success": ("counter", ("finished_reason",)),
+    "request_prompt_tokens": ("histogram", ()),
+    "request_generation_tokens": ("histogram", ()),
+    "iteration_tokens_total": ("histogram", ()),
+    "request_max_num_generation_tokens": ("histogram", ()),
+    "request_params_n": ("histogram", ()),
+    "request_params_max_tokens": ("histogram", ()),
+    "request_prefill_kv_computed_tokens": ("histogram", ()),
+    "time_to_first_token_seconds": ("histogram", ()),
+    "inter_token_latency_seconds": ("histogram", ()),
+    "request_time_per_output_token_seconds": ("histogram", ()),
+    "e2e_request_latency_seconds": ("histogram", ()),
+    "request_queue_time_seconds": ("histogram", ()),
+    "request_inference_time_seconds": ("histogram", ()),
+    "request_prefill_time_seconds": ("histogram", ()),
+    "request_decode_time_seconds": ("histogram", ()),
+    "estimated_flops_per_gpu": ("counter", ()),
+    "estimated_read_bytes_per_gpu": ("counter", ()),
+    "estimated_write_bytes_per_gpu": ("counter", ()),
 }
 
 
@@ -52,13 +71,18 @@ def test_prometheus_families_parse_with_labels(engine_config):
     manager.record(scheduler_stats(), iteration_stats(), engine_index=1)
     manager.record_admission_rejection("queue_full", engine_index=0)
     families = {f.name: f for f in text_string_to_metric_families(manager.prometheus_text().decode())}
-    for name, kind in FAMILIES.items():
-        family = families["rollout:" + name]
+    for name, (kind, extra_labels) in FAMILIES.items():
+        family = families["vllm:" + name]
         assert family.type == kind, name
         assert family.samples, name
         for sample in family.samples:
+            assert set(sample.labels) - {"le"} == {"model_name", "engine", *extra_labels}, name
             assert sample.labels["model_name"] == "tiny", name
             assert sample.labels["engine"] in ("0", "1"), name
+    # Admission is counted per frontend, as in vLLM: no engine label, vLLM's reason names.
+    assert families["vllm:admission_rejections"].type == "counter"
+    for sample in families["vllm:admission_rejections"].samples:
+        assert set(sample.labels) == {"model_name", "reason"}
 
     def value(name, **labels):
         (sample,) = [
@@ -67,14 +91,15 @@ def test_prometheus_families_parse_with_labels(engine_config):
         ]  # fmt: skip
         return sample.value
 
-    assert value("rollout:num_requests_running", engine="1") == 2
-    assert value("rollout:num_requests_running", engine="0") == 0
-    assert value("rollout:request_success_total", engine="1", finished_reason="length") == 1
-    assert value("rollout:request_success_total", engine="1", finished_reason="stop") == 0
-    assert value("rollout:admission_rejections_total", engine="0", reason="queue_full") == 1
-    assert value("rollout:time_to_first_token_seconds_count", engine="1") == 1
-    assert value("rollout:estimated_flops_per_gpu_total", engine="1") > 0
-    assert value("rollout:estimated_read_bytes_per_gpu_total", engine="1") > 0
+    assert value("vllm:num_requests_running", engine="1") == 2
+    assert value("vllm:num_requests_running", engine="0") == 0
+    assert value("vllm:request_success_total", engine="1", finished_reason="length") == 1
+    assert value("vllm:request_success_total", engine="1", finished_reason="stop") == 0
+    assert value("vllm:admission_rejections_total", reason="max_num_queued_reqs") == 1
+    assert value("vllm:admission_rejections_total", reason="max_num_queued_tokens") == 0
+    assert value("vllm:time_to_first_token_seconds_count", engine="1") == 1
+    assert value("vllm:estimated_flops_per_gpu_total", engine="1") > 0
+    assert value("vllm:estimated_read_bytes_per_gpu_total", engine="1") > 0
 
 
 def test_snapshot_is_plain_numbers_and_managers_do_not_collide(engine_config):
@@ -84,16 +109,16 @@ def test_snapshot_is_plain_numbers_and_managers_do_not_collide(engine_config):
     first.record(scheduler_stats(), iteration_stats())
     snap = first.get_metrics_snapshot()
     assert all(isinstance(v, float) for v in snap.values())
-    assert snap["rollout:num_requests_running"] == 2
-    assert snap["rollout:kv_cache_usage_perc"] == 0.25
-    assert snap["rollout:prompt_tokens_total"] == 8
-    assert snap["rollout:generation_tokens_total"] == 4
-    assert snap["rollout:num_preemptions_total"] == 2
-    assert snap["rollout:prefix_cache_hits_total"] == 8
-    assert snap['rollout:request_success_total{finished_reason="length"}'] == 2
-    assert snap["rollout:e2e_request_latency_seconds_sum"] == 4.0
-    assert snap["rollout:e2e_request_latency_seconds_count"] == 2
-    assert second.get_metrics_snapshot()["rollout:prompt_tokens_total"] == 0
+    assert snap["vllm:num_requests_running"] == 2
+    assert snap["vllm:kv_cache_usage_perc"] == 0.25
+    assert snap["vllm:prompt_tokens_total"] == 8
+    assert snap["vllm:generation_tokens_total"] == 4
+    assert snap["vllm:num_preemptions_total"] == 2
+    assert snap["vllm:prefix_cache_hits_total"] == 8
+    assert snap['vllm:request_success_total{finished_reason="length"}'] == 2
+    assert snap["vllm:e2e_request_latency_seconds_sum"] == 4.0
+    assert snap["vllm:e2e_request_latency_seconds_count"] == 2
+    assert second.get_metrics_snapshot()["vllm:prompt_tokens_total"] == 0
 
 
 def test_plugin_logger_receives_records(engine_config, recording_plugin):

@@ -18,7 +18,7 @@ def _num_running(url: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        if family.name == "rollout:num_requests_running":
+        if family.name == "vllm:num_requests_running":
             return sum(s.value for s in family.samples)
     return 0.0
 

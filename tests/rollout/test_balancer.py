@@ -137,13 +137,18 @@ def test_per_engine_registries_show_as_one_with_engine_labels(tiny_checkpoint):
 
     metrics = MultiEngineMetrics([m.prometheus_logger.registry for m in managers])
     families = {f.name: f for f in text_string_to_metric_families(metrics.prometheus_text().decode())}
-    running = {s.labels["engine"]: s.value for s in families["rollout:num_requests_running"].samples}
+    running = {s.labels["engine"]: s.value for s in families["vllm:num_requests_running"].samples}
     assert running == {"0": 1.0, "1": 4.0}
-    rejected = [s for s in families["rollout:admission_rejections"].samples if s.name.endswith("_total")]
-    assert [(s.labels["engine"], s.labels["reason"], s.value) for s in rejected] == [("1", "queue_full", 1.0)]
+    # Admission is per frontend in vLLM (no engine label): the group shows each reason once, added up.
+    managers[0].record_admission_rejection("queue_full")
+    families = {f.name: f for f in text_string_to_metric_families(metrics.prometheus_text().decode())}
+    rejected = [s for s in families["vllm:admission_rejections"].samples if s.name.endswith("_total")]
+    assert sorted((s.labels["reason"], s.value) for s in rejected) == [
+        ("max_num_queued_reqs", 2.0), ("max_num_queued_tokens", 0.0)
+    ]
     snapshot = metrics.snapshot()
-    assert snapshot["rollout:num_requests_running"] == 5.0  # added up over engines
-    assert snapshot["rollout:kv_cache_usage_perc"] == pytest.approx(0.4)  # a fraction: averaged
+    assert snapshot["vllm:num_requests_running"] == 5.0  # added up over engines
+    assert snapshot["vllm:kv_cache_usage_perc"] == pytest.approx(0.4)  # a fraction: averaged
 
 
 def test_engine_devices_place_each_engine_after_the_previous_ones_ranks():

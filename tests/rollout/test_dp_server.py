@@ -65,13 +65,13 @@ def test_a_burst_keeps_both_engines_busy_and_outputs_match_one_engine(http, tiny
     assert http.get("/get_world_size").json() == {"world_size": 2}
     greedy = _burst(http, [{"prompt": p, "temperature": 0.0} for p in PROMPTS])
     seeded = _burst(http, [{"prompt": p, "temperature": 1.0, "seed": 7 + i} for i, p in enumerate(PROMPTS)])
-    served = _per_engine(http, "rollout:request_success_total", finished_reason="length")
+    served = _per_engine(http, "vllm:request_success_total", finished_reason="length")
     assert set(served) == {"0", "1"} and all(v > 0 for v in served.values()), served
     assert sum(served.values()) >= 2 * len(PROMPTS)
     routed = _per_engine(http, "rollout:dp_requests_routed_total")
     assert all(routed[e] > 0 for e in ("0", "1")), routed
     # The coordinator's numbers (each engine's scheduler) are there per engine too.
-    assert set(_per_engine(http, "rollout:num_requests_waiting")) == {"0", "1"}
+    assert set(_per_engine(http, "vllm:num_requests_waiting")) == {"0", "1"}
 
     with RolloutWorker(model=tiny_checkpoint("llama"), device="cpu", dtype="float32", max_model_len=256,
                        disable_log_stats=True) as single:

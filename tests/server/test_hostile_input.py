@@ -111,9 +111,9 @@ def test_a_client_that_gives_up_on_the_largest_n_leaves_the_server_answering(ser
 
 def _num_running(client: httpx.Client) -> float:
     for line in client.get("/metrics").text.splitlines():
-        if line.startswith("rollout:num_requests_running{"):
+        if line.startswith("vllm:num_requests_running{"):
             return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("no rollout:num_requests_running gauge")
+    raise AssertionError("no vllm:num_requests_running gauge")
 
 
 # ---------------------------------------------------------------------------- 2. body size and long prompts
@@ -346,9 +346,9 @@ def test_memory_after_the_hostile_cases_is_within_200_mb_of_before(server, clien
 
 def _gauge(c: httpx.Client, name: str) -> float:
     for line in c.get("/metrics").text.splitlines():
-        if line.startswith(f"rollout:{name}{{"):
+        if line.startswith(f"vllm:{name}{{"):
             return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no rollout:{name} gauge")
+    raise AssertionError(f"no vllm:{name} gauge")
 
 
 def test_a_refusal_does_not_wait_behind_work(launch_server, tiny_checkpoint):
