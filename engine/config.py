@@ -69,6 +69,8 @@ class CacheConfig:
     """Bytes to give the KV cache (overrides gpu_memory_utilization and the CPU default)."""
     gpu_memory_utilization: float = 0.9
     """This engine's share of the GPU (per engine, as in vLLM: two engines at 0.4 fit one GPU): its weights and its KV cache, which gets the share less the weights and must fit in the memory free at start-up (an error names who holds the rest). Activations and CUDA graphs use memory beyond the share."""
+    sleep_fixed_addresses: bool = True
+    """CUDA: keep the weights and the KV cache at fixed device addresses (CUDA virtual memory management, engine/worker/device_memory.py), so that sleep gives their memory back and wake_up maps it again with every CUDA graph still valid; off (or without cuda-bindings): sleep frees through the caching allocator and wake_up captures the graphs again."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

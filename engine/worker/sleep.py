@@ -2,19 +2,27 @@
 
     level 1  weights -> pinned host memory (on CPU they already live there and stay put);
              KV cache tensors dropped
-    level 2  weights discarded (storage released), KV cache tensors dropped; buffers such as
-             the rotary cos/sin caches are kept
+    level 2  weights discarded, KV cache tensors dropped; buffers such as the rotary cos/sin
+             caches are kept
 
-wake_up("weights") copies the host copies back (level 1) or re-allocates every parameter and
-re-loads it from the checkpoint directory (level 2): a trainer's weight update may follow, or
-not, and either way the weights are right. wake_up("kv_cache") allocates the KV tensors again,
-with the shapes (so the number of blocks) they had, zero-filled: their old contents are gone,
-so the caller must reset its prefix cache.
+wake_up("weights") copies the host copies back (level 1) or re-loads the checkpoint (level 2): a
+trainer's weight update may follow, or not, and either way the weights are right. wake_up("kv_cache")
+brings the KV tensors back with the shapes (so the number of blocks) they had, zero-filled: their old
+contents are gone, so the caller must reset its prefix cache.
 
-Parameters keep their identity (only `param.data` is swapped), so weight loaders, tied
-embeddings and anything else holding the Parameter objects keep working. CUDA graphs record
-the addresses of weights and KV tensors: they are dropped at sleep and captured again once
-both are back.
+Two ways to free the memory:
+- Fixed addresses (CUDA with VMM, CacheConfig.sleep_fixed_addresses): the weights live packed in one
+  SleepableRegion and the KV cache in another (engine/worker/device_memory.py), placed there by
+  pack_weights and allocate_kv_cache when the worker starts. Sleep copies the weight region to one
+  pinned host buffer (made at the first sleep(1), then reused) in a single copy and unmaps both
+  regions; wake_up maps them again at the same addresses and copies back. Tensors, Parameters and
+  the CUDA graphs that recorded their addresses stay valid: nothing is captured again, and the same
+  batch runs the same kernels on the same addresses as before the sleep.
+- Otherwise (CPU, no VMM, or weights moved out of the region since, e.g. by elastic EP): each
+  parameter's storage is swapped (`param.data`), the KV tensors dropped, the regions (if any) closed,
+  and the CUDA graphs dropped at sleep and captured again once weights and KV cache are both back.
+Either way parameters keep their identity, so weight loaders, tied embeddings and anything else
+holding the Parameter objects keep working.
 """
 
 from __future__ import annotations
@@ -26,8 +34,40 @@ import weakref
 import torch
 
 from engine.models.loader import iterate_safetensors
+from engine.worker.device_memory import (
+    SleepableRegion,
+    move_parameters_into,
+    nbytes,
+    packed_size,
+    region_views,
+    shapes_size,
+    vmm_available,
+)
 
 logger = logging.getLogger(__name__)
+
+
+def pack_weights(model: torch.nn.Module, device: torch.device, enabled: bool) -> SleepableRegion | None:
+    """Moves every parameter of `model` into one fixed-address region (None, and nothing moved, off CUDA,
+    without VMM or when not enabled). Called before anything records a weight's address (graphs, receivers)."""
+    if not enabled or not vmm_available(device):
+        return None
+    params = list(model.parameters())  # shared (tied) parameters once
+    region = SleepableRegion(packed_size([nbytes(p) for p in params]), device)
+    move_parameters_into(region, params)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # the copies' old storage goes back to the device before the KV cache is sized
+    return region
+
+
+def allocate_kv_cache(shapes: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device,
+                      weight_region: SleepableRegion | None) -> tuple[list[torch.Tensor], SleepableRegion | None]:
+    """Zero-filled KV tensors of `shapes`: in one fixed-address region when the weights have one, else plain."""
+    if weight_region is None:
+        return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in shapes], None
+    region = SleepableRegion(shapes_size(shapes), device)
+    region.tensor.zero_()
+    return region_views(region, shapes), region
 
 
 class WorkerSleeper:
@@ -36,8 +76,12 @@ class WorkerSleeper:
         # model and KV cache alive until the collector runs.
         self._worker = weakref.ref(worker)
         self.asleep: set[str] = set()  # "weights" and/or "kv_cache"
-        self.host_weights: dict[str, torch.Tensor] | None = None  # level 1 on GPU
-        self.discarded_weights: dict[str, tuple[torch.Size, torch.dtype]] | None = None  # level 2
+        self.level = 0
+        self.fixed = False  # this sleep kept the addresses (the regions are unmapped, graphs kept)
+        self.host_buffer: torch.Tensor | None = None  # fixed addresses, level 1: pinned, reused every sleep
+        self.copy_stream: torch.cuda.Stream | None = None  # fixed addresses: wake_up's weight copy
+        self.host_weights: dict[str, torch.Tensor] | None = None  # otherwise, level 1 on GPU
+        self.discarded_weights: dict[str, tuple[torch.Size, torch.dtype]] | None = None  # otherwise, level 2
         self.kv_shapes: list[tuple[torch.Size, torch.dtype]] | None = None
 
     @property
@@ -51,24 +95,60 @@ class WorkerSleeper:
     def _params(self) -> list[tuple[str, torch.nn.Parameter]]:
         return list(self.worker.model.named_parameters())  # shared (tied) parameters once
 
+    def _weight_bytes(self) -> int:
+        return packed_size([nbytes(p) for _, p in self._params()])
+
+    def _can_keep_addresses(self) -> bool:
+        worker = self.worker
+        weights, kv = worker.weight_region, worker.kv_region
+        return (weights is not None and kv is not None
+                and all(weights.holds(p) for _, p in self._params())
+                and all(layer.kv_cache is not None and kv.holds(layer.kv_cache) for layer in worker.attn_layers))
+
     # ---- sleep ---------------------------------------------------------------------------------
 
     def sleep(self, level: int) -> None:
         if level == 0 or self.asleep:
             return
         start = time.perf_counter()
-        self.worker.drop_cuda_graphs()  # they point at the memory freed below (a draft model's weights stay)
+        self.fixed = self._can_keep_addresses()
+        if self.fixed:
+            self._sleep_in_place(level)
+        else:
+            self._sleep_by_swapping(level)
+        self.level = level
+        self.asleep = {"weights", "kv_cache"}
+        self._release_device_memory()
+        logger.info("Worker: asleep at level %d (%.3f s%s)", level, time.perf_counter() - start,
+                    ", addresses kept" if self.fixed else "")
+
+    @torch.no_grad()
+    def _sleep_in_place(self, level: int) -> None:
+        worker = self.worker
+        worker.synchronize()  # nothing queued may still read the memory unmapped below
+        weights = worker.weight_region
+        if level == 1:
+            num_bytes = self._weight_bytes()
+            if self.host_buffer is None or self.host_buffer.numel() < num_bytes:
+                self.host_buffer = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+            self.host_buffer[:num_bytes].copy_(weights.tensor[:num_bytes], non_blocking=True)
+        worker.kv_region.release()  # while the weights are copied out: the copy does not read it
+        if level == 1:
+            worker.synchronize()  # the copy must land before the weights' pages go
+        weights.release()
+
+    def _sleep_by_swapping(self, level: int) -> None:
+        worker = self.worker
+        worker.drop_cuda_graphs()  # they point at the memory freed below (a draft model's weights stay)
         if level == 1 and self.device.type != "cpu":
             self._offload_weights()
         elif level == 2:
             self._discard_weights()
         self.kv_shapes = []
-        for layer in self.worker.attn_layers:
+        for layer in worker.attn_layers:
             self.kv_shapes.append((layer.kv_cache.shape, layer.kv_cache.dtype))
             layer.kv_cache = None
-        self.asleep = {"weights", "kv_cache"}
-        self._release_device_memory()
-        logger.info("Worker: asleep at level %d (%.2f s)", level, time.perf_counter() - start)
+        worker.close_regions()  # nothing points into them any more (a weight moved out made this path run)
 
     @torch.no_grad()
     def _offload_weights(self) -> None:
@@ -95,29 +175,49 @@ class WorkerSleeper:
 
     def release(self) -> None:
         """The worker shuts down: the host copies of sleeping weights go (pinned memory), nothing wakes up."""
-        self.host_weights = self.discarded_weights = self.kv_shapes = None
+        self.host_buffer = self.host_weights = self.discarded_weights = self.kv_shapes = self.copy_stream = None
         self.asleep = set()
 
     # ---- wake-up -------------------------------------------------------------------------------
 
     def wake_up(self, tags: list[str]) -> None:
-        """Weights before KV cache; graphs are captured again once both are back."""
+        """Weights before KV cache; without fixed addresses, graphs are captured again once both are back."""
         start = time.perf_counter()
         woke = set(tags) & self.asleep
+        if self.fixed:  # both regions mapped first, so that the weights' copy runs beside the KV cache's zeroing
+            if "weights" in woke:
+                self.worker.weight_region.restore()
+            if "kv_cache" in woke:
+                self.worker.kv_region.restore()
         if "weights" in woke:
             self._restore_weights()
         if "kv_cache" in woke:
-            self._allocate_kv_cache()
+            self._restore_kv_cache()
         self.asleep -= woke
-        if woke and not self.asleep:
+        if woke and not self.asleep and not self.fixed:
             self.worker.capture_cuda_graphs()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if woke:
-            logger.info("Worker: woke up %s (%.2f s)", sorted(woke), time.perf_counter() - start)
+            logger.info("Worker: woke up %s (%.3f s)", sorted(woke), time.perf_counter() - start)
 
     @torch.no_grad()
     def _restore_weights(self) -> None:
+        if self.fixed:
+            region = self.worker.weight_region  # mapped again by wake_up
+            if self.level == 1:  # on a side stream: the copy engine moves the weights while the SMs zero the KV cache
+                num_bytes = self._weight_bytes()
+                current = torch.cuda.current_stream(self.device)
+                if self.copy_stream is None:
+                    self.copy_stream = torch.cuda.Stream(self.device)
+                self.copy_stream.wait_stream(current)
+                with torch.cuda.stream(self.copy_stream):
+                    region.tensor[:num_bytes].copy_(self.host_buffer[:num_bytes], non_blocking=True)
+                # wake_up ends with a device-wide synchronize: no step reads the weights before they landed
+            else:
+                region.tensor.zero_()  # defined contents until the checkpoint's land
+                self._reload_checkpoint({name for name, _ in self._params()})
+            return
         params = self._params()
         if self.host_weights is not None:
             for name, param in params:
@@ -128,14 +228,21 @@ class WorkerSleeper:
             for name, param in params:
                 shape, dtype = self.discarded_weights[name]
                 param.data = torch.empty(shape, dtype=dtype, device=self.device)
-            model_dir = self.worker.config.model.model
-            loaded = self.worker.model.load_weights(iterate_safetensors(model_dir))
-            missing = sorted(set(self.discarded_weights) - loaded)
-            if missing:
-                raise RuntimeError(f"wake_up: checkpoint {model_dir} is missing parameters: {missing}")
+            self._reload_checkpoint(set(self.discarded_weights))
             self.discarded_weights = None
 
-    def _allocate_kv_cache(self) -> None:
-        for layer, (shape, dtype) in zip(self.worker.attn_layers, self.kv_shapes, strict=True):
+    def _reload_checkpoint(self, expected: set[str]) -> None:
+        model_dir = self.worker.config.model.model
+        loaded = self.worker.model.load_weights(iterate_safetensors(model_dir))
+        missing = sorted(expected - loaded)
+        if missing:
+            raise RuntimeError(f"wake_up: checkpoint {model_dir} is missing parameters: {missing}")
+
+    def _restore_kv_cache(self) -> None:
+        worker = self.worker
+        if self.fixed:  # mapped again by wake_up
+            worker.kv_region.tensor.zero_()  # never-written slots hold finite values, as at start-up
+            return
+        for layer, (shape, dtype) in zip(worker.attn_layers, self.kv_shapes, strict=True):
             layer.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.kv_shapes = None

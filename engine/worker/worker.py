@@ -28,6 +28,7 @@ from engine.worker.memory import DeviceMemory, kv_cache_budget
 from engine.worker.model_runner import ModelRunner, forward_without_kv_writes
 from engine.worker.release import release_device_caches, release_module_tensors
 from engine.worker.runner_output import ModelRunnerOutput
+from engine.worker.sleep import allocate_kv_cache, pack_weights
 from engine.worker.weight_update import DRAFT_MODEL, TARGET_MODEL, WeightUpdater
 from engine.worker.weight_updaters import WeightUpdaters
 
@@ -113,6 +114,10 @@ class Worker:
 
         self.hf_config = load_hf_config(config.model.model)
         self.model = load_model(config.model.model, self.hf_config, self.dtype, self.device, config.model.load_format)
+        # Sleep mode on CUDA keeps the weights, and then the KV cache, at fixed addresses (engine/worker/sleep.py),
+        # so that sleep/wake_up keep the CUDA graphs: packed before anything records a weight's address.
+        self.weight_region = pack_weights(self.model, self.device, config.cache.sleep_fixed_addresses)
+        self.kv_region = None
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.model_runner = ModelRunner(
             config,
@@ -171,8 +176,9 @@ class Worker:
             torch.cuda.empty_cache()  # what loading left cached goes back first, so free is what the KV cache can take
             free, total = torch.cuda.mem_get_info(self.device)
             budget = kv_cache_budget(
-                DeviceMemory(total, free, torch.cuda.memory_reserved(self.device), str(self.device)),
-                engine_bytes=max(0, torch.cuda.memory_allocated(self.device) - self._allocated_before),
+                DeviceMemory(total, free, torch.cuda.memory_reserved(self.device) + self._region_bytes(), str(self.device)),
+                engine_bytes=max(0, torch.cuda.memory_allocated(self.device) - self._allocated_before)
+                + self._region_bytes(),
                 utilization=cache.gpu_memory_utilization, block_bytes=self.kv_bytes_per_block,
                 kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
             )
@@ -197,11 +203,11 @@ class Worker:
         Zero-filled so that never-written slots hold finite values.
         """
         block_size = self.config.cache.block_size
-        for layer in self.attn_layers:
-            layer.kv_cache = torch.zeros(
-                2, num_blocks, block_size, layer.num_kv_heads, layer.head_size,
-                dtype=self.dtype, device=self.device,
-            )
+        shapes = [((2, num_blocks, block_size, layer.num_kv_heads, layer.head_size), self.dtype)
+                  for layer in self.attn_layers]
+        kv_caches, self.kv_region = allocate_kv_cache(shapes, self.device, self.weight_region)
+        for layer, kv_cache in zip(self.attn_layers, kv_caches, strict=True):
+            layer.kv_cache = kv_cache
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             num_blocks, block_size, num_blocks * self.kv_bytes_per_block / 2**20,
@@ -419,6 +425,18 @@ class Worker:
     def sleep(self, level: int) -> None:
         self.sleeper.sleep(level)
 
+    def _region_bytes(self) -> int:
+        """Device memory in the fixed-address regions (the caching allocator does not count it)."""
+        return sum(r.size for r in (self.weight_region, self.kv_region) if r is not None)
+
+    def close_regions(self) -> None:
+        """Gives the fixed-address regions back; only once no tensor the worker uses points into them."""
+        for name in ("weight_region", "kv_region"):
+            region = getattr(self, name)
+            if region is not None:
+                region.close()
+                setattr(self, name, None)
+
     def wake_up(self, tags: list[str]) -> None:
         self.sleeper.wake_up(tags)
 
@@ -463,5 +481,7 @@ class Worker:
         for model in (self.model, self.draft_model):
             if model is not None:
                 release_module_tensors(model)
+        if device_ok:  # unmapping memory a failed kernel may still be queued on would fault again
+            self.close_regions()
         if device_ok:  # the allocator's calls would raise the device's error again
             release_device_caches(self.device)

@@ -2,7 +2,8 @@
 
 Built and closed five times in one process (LLM, LLM with a draft model, RolloutWorker with multiprocess=False),
 each time at gpu_memory_utilization=0.4, torch.cuda.memory_allocated() comes back to what it was before the
-first build, with the collector off (no gc.collect() anywhere), and every build gets the same KV cache and
+first build, and so does the device's free memory (the weights and the KV cache live in fixed-address regions
+outside the caching allocator: engine/worker/device_memory.py), with the collector off (no gc.collect() anywhere), and every build gets the same KV cache and
 serves the same greedy tokens. Then, as in the report, a multiprocess RolloutWorker at 0.4 starts after an
 in-process one at 0.4 was used in a `with` block.
 """
@@ -28,17 +29,26 @@ PROMPTS = [{"prompt_token_ids": [5, 17, 42, 8, 99, 3] * 4}, {"prompt_token_ids":
 ROUNDS = 5
 
 
-def settled_allocated() -> tuple[int, int]:
-    """(allocated, reserved) bytes of this process with nothing queued and no cuBLAS workspace or cached block
+# The device's free memory moves by a few MiB for reasons of its own (driver bookkeeping); an engine's KV cache
+# alone is gigabytes at 0.4.
+_DEVICE_SLACK = 64 << 20
+
+
+def settled_allocated() -> tuple[int, int, int]:
+    """(allocated, reserved, device free) bytes with nothing queued and no cuBLAS workspace or cached block
     held: the level every shutdown must come back to."""
     release_device_caches(torch.device("cuda", torch.cuda.current_device()))
-    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), torch.cuda.mem_get_info()[0]
 
 
 def assert_given_back(before: tuple[int, int], what: str) -> None:
     """memory_allocated() and memory_reserved() are at most what they were before the first build. No tolerance:
     shutdown frees cuBLAS's workspaces too, and the baseline was taken without them."""
     allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    free = torch.cuda.mem_get_info()[0]
+    assert free >= before[2] - _DEVICE_SLACK, (
+        f"{what}: the device has {(before[2] - free) / 2**20:.0f} MiB less free than before the first build "
+        "(a fixed-address region not closed?)")
     if allocated <= before[0] and reserved <= before[1]:
         return
     gc.collect()  # only to say what held the memory
@@ -51,6 +61,11 @@ def assert_given_back(before: tuple[int, int], what: str) -> None:
 
 def kv_cache_bytes(worker) -> int:
     return sum(layer.kv_cache.numel() * layer.kv_cache.element_size() for layer in worker.attn_layers)
+
+
+def engine_bytes(worker) -> int:
+    """What the engine holds: the allocator's tensors and the fixed-address regions (weights, KV cache)."""
+    return torch.cuda.memory_allocated() + worker._region_bytes()
 
 
 def token_ids(outputs) -> list[list[int]]:
@@ -69,7 +84,7 @@ def test_llm_built_and_closed_five_times_gives_its_memory_back(tiny_checkpoint, 
             worker = llm.engine_core.executor.worker
             assert worker.model_runner.cuda_graphs is not None  # the graphs and their pool are part of what goes
             assert (worker.draft_proposer is not None and worker.draft_proposer.cuda_graphs is not None) == bool(spec)
-            assert torch.cuda.memory_allocated() >= before[0] + kv_cache_bytes(worker)
+            assert engine_bytes(worker) >= before[0] + kv_cache_bytes(worker)
             served = (llm.engine_core.num_blocks, token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)))
             first = first or served
             assert served == first, f"round {round_}: another KV cache size or other tokens than round 0"
@@ -87,7 +102,7 @@ def test_rollout_worker_in_process_built_and_closed_five_times_gives_its_memory_
         for round_ in range(ROUNDS):
             with RolloutWorker(model=path, multiprocess=False, **ENGINE_ARGS) as rw:
                 core = rw.engine.engine_core.engine_core
-                assert torch.cuda.memory_allocated() >= before[0] + kv_cache_bytes(core.executor.worker)
+                assert engine_bytes(core.executor.worker) >= before[0] + kv_cache_bytes(core.executor.worker)
                 served = (core.num_blocks, token_ids(rw.generate(PROMPTS, GREEDY)))
                 del core
             first = first or served

@@ -1,4 +1,9 @@
-"""GPU tier: sleep(1) and sleep(2) give back >= 95% of weights + KV cache memory, and wake-up serves the same greedy tokens."""
+"""GPU tier: sleep(1) and sleep(2) give back >= 95% of weights + KV cache memory, and wake-up serves the same greedy tokens.
+
+With fixed addresses (the default on CUDA: CacheConfig.sleep_fixed_addresses) the weights and the KV
+cache come back at the addresses they had and the CUDA graphs are the same objects (never captured
+again); with it off they are freed through the caching allocator and the graphs are captured again.
+"""
 
 from __future__ import annotations
 
@@ -17,10 +22,11 @@ pytestmark = pytest.mark.gpu
 PROMPTS = [[5, 17, 42, 8, 99, 3] * 4, [7, 7, 120, 64, 1, 2, 33, 90, 11], [150, 2, 9]]
 
 
-@pytest.fixture
-def core(tiny_checkpoint):
+@pytest.fixture(params=[True, False], ids=["fixed_addresses", "allocator"])
+def core(tiny_checkpoint, request):
     config = create_engine_config(
-        model=tiny_checkpoint("llama"), max_model_len=256, device="cuda", kv_cache_memory_bytes=1 << 28, max_num_seqs=8
+        model=tiny_checkpoint("llama"), max_model_len=256, device="cuda", kv_cache_memory_bytes=1 << 28, max_num_seqs=8,
+        sleep_fixed_addresses=request.param,
     )
     core = EngineCore(config)
     yield core
@@ -51,16 +57,20 @@ def _weights_and_kv_bytes(core: EngineCore) -> int:
 
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_frees_device_memory_and_wake_up_serves_the_same_tokens(core, level):
+    worker = core.executor.worker
+    fixed = worker.weight_region is not None
+    assert fixed == core.config.cache.sleep_fixed_addresses  # the H200 has VMM and cuda-bindings
     before = _greedy(core, "before")
-    graphs_before = core.executor.worker.model_runner.cuda_graphs is not None
+    graphs = worker.model_runner.cuda_graphs
+    addresses = [p.data_ptr() for p in worker.model.parameters()] + [l.kv_cache.data_ptr() for l in worker.attn_layers]
     expected_drop = _weights_and_kv_bytes(core)
     torch.cuda.synchronize()
-    allocated = torch.cuda.memory_allocated()
+    free_before = torch.cuda.mem_get_info()[0]
 
     core.sleep(level)
     gc.collect()
-    dropped = allocated - torch.cuda.memory_allocated()
-    print(f"sleep({level}): allocated {allocated / 2**20:.1f} MiB, freed {dropped / 2**20:.1f} MiB "
+    dropped = torch.cuda.mem_get_info()[0] - free_before  # what the device got back (regions and allocator alike)
+    print(f"sleep({level}, fixed addresses {fixed}): freed {dropped / 2**20:.1f} MiB "
           f"of weights+KV {expected_drop / 2**20:.1f} MiB ({100 * dropped / expected_drop:.1f}%)")
     assert dropped >= 0.95 * expected_drop, f"freed {dropped} of {expected_drop} bytes"
 
@@ -71,5 +81,10 @@ def test_sleep_frees_device_memory_and_wake_up_serves_the_same_tokens(core, leve
     else:
         core.wake_up()
     assert not core.is_sleeping()
-    assert (core.executor.worker.model_runner.cuda_graphs is not None) == graphs_before  # re-captured
+    if fixed:  # the same graphs over the same addresses
+        assert worker.model_runner.cuda_graphs is graphs and graphs is not None
+        assert [p.data_ptr() for p in worker.model.parameters()] + [
+            l.kv_cache.data_ptr() for l in worker.attn_layers] == addresses
+    else:  # captured again
+        assert worker.model_runner.cuda_graphs is not None and worker.model_runner.cuda_graphs is not graphs
     assert _greedy(core, "after") == before
