@@ -88,7 +88,8 @@ _DTYPES = {packing.dtype_name(d): d for d in (getattr(torch, n) for n in dir(tor
 
 def _size(dims: Any = ()) -> torch.Size:
     """The stand-in for torch.Size, the one callable a pickle may call: a short tuple of ints, nothing else."""
-    if type(dims) is not tuple or len(dims) > _MAX_DIMS or not all(type(d) is int and 0 <= d <= INT64_MAX for d in dims):
+    if type(dims) is not tuple or len(dims) > _MAX_DIMS or not all(
+            type(d) is int and 0 <= d <= INT64_MAX for d in dims):
         raise ValueError(f"torch.Size takes up to {_MAX_DIMS} non-negative ints, not {_shown(dims)}")
     return torch.Size(dims)
 
@@ -232,9 +233,11 @@ def check_args(args: Any, where: str) -> RebuildArgs:
         expected *= n
     extent = (tensor_offset + math.prod(size)) * dtype.itemsize
     if math.prod(size) and extent > storage_size:
-        raise ValueError(f"{where}[8] (storage_size_bytes): the tensor reaches byte {extent}, beyond the storage's {storage_size}")
+        raise ValueError(f"{where}[8] (storage_size_bytes): the tensor reaches byte {extent}, "
+                         f"beyond the storage's {storage_size}")
     return RebuildArgs((tensor_cls, torch.Size(size), tuple(stride), tensor_offset, storage_cls, dtype, device, handle,
-                        storage_size, storage_offset, requires_grad, ref_counter, ref_counter_offset, event, event_sync))
+                        storage_size, storage_offset, requires_grad, ref_counter, ref_counter_offset, event,
+                        event_sync))
 
 
 def _class(value: Any, known: dict[_Name, type], where: str) -> type:
@@ -265,25 +268,29 @@ def _by_gpu(entry: Any, where: str) -> dict[str, RebuildArgs]:
 
 
 def check_handles(info: VLLMIPCUpdateInfo, handles: Any, packed: bool) -> list[dict[str, RebuildArgs]]:
-    """ipc_handles checked against the call (one per tensor, or packed one buffer for all); ValueError naming the field."""
+    """ipc_handles checked against the call (one per tensor, or packed one buffer for all); ValueError naming
+    the field."""
     where = "update_info.ipc_handles"
     if packed:
         if info.tensor_sizes is None:
             raise ValueError("update_info.tensor_sizes: missing (the trainer's init_info said packed)")
         buffer = _by_gpu(handles, where)
-        for i, (name, dtype, shape, nbytes) in enumerate(zip(info.names, info.dtype_names, info.shapes, info.tensor_sizes)):
+        tensors = zip(info.names, info.dtype_names, info.shapes, info.tensor_sizes)
+        for i, (name, dtype, shape, nbytes) in enumerate(tensors):
             if nbytes != packing.nbytes_of(dtype, shape):
-                raise ValueError(f"update_info.tensor_sizes[{i}]: {nbytes} bytes, but {name!r} ({packing.dtype_name(dtype)} "
-                                 f"{list(shape)}) has {packing.nbytes_of(dtype, shape)}")
+                raise ValueError(f"update_info.tensor_sizes[{i}]: {nbytes} bytes, but {name!r} "
+                                 f"({packing.dtype_name(dtype)} {list(shape)}) has {packing.nbytes_of(dtype, shape)}")
         for uuid, args in buffer.items():
             if args.dtype != torch.uint8 or len(args.shape) != 1:
-                raise ValueError(f"{where}[{uuid!r}]: a packed buffer is 1-D uint8, not {args.dtype} {list(args.shape)}")
+                raise ValueError(f"{where}[{uuid!r}]: a packed buffer is 1-D uint8, "
+                                 f"not {args.dtype} {list(args.shape)}")
             if sum(info.tensor_sizes) > args.shape[0]:
                 raise ValueError(f"update_info.tensor_sizes: {sum(info.tensor_sizes)} bytes in all, beyond the "
                                  f"buffer's {args.shape[0]}")
         return [buffer]
     if type(handles) is not list:
-        raise ValueError(f"{where}: expected a list (one entry per tensor; init_info said not packed), got {_shown(handles)}")
+        raise ValueError(f"{where}: expected a list (one entry per tensor; init_info said not packed), "
+                         f"got {_shown(handles)}")
     if len(handles) != len(info.names):
         raise ValueError(f"{where}: {len(handles)} entries for {len(info.names)} names")
     checked = []
@@ -428,9 +435,10 @@ class VLLMShapeIPCTrainer(TrainerWeightTransferEngine[TrainerInitInfo]):
     Unpacked: one update_weights call with every tensor's handle; the tensors stay referenced until
     the update is finished. Packed: one buffer of packed_buffer_size_bytes, exported once per sync,
     filled back to back with as many tensors as fit, one call per fill (the next fill only after the
-    call returned); tensor_sizes says where each tensor ends. Over our HTTP client the handles go
-    pickled (ipc_handles_pickled, the only form a vLLM server reads over HTTP, with
-    VLLM_ALLOW_INSECURE_SERIALIZATION=1); other clients get the objects (ipc_handles).
+    call returned); tensor_sizes says where each tensor ends. The handles always go pickled
+    (ipc_handles_pickled): the one form every transport carries (JSON over HTTP, msgpack to an engine
+    process, Ray), and the one a vLLM server reads over HTTP (with VLLM_ALLOW_INSECURE_SERIALIZATION=1;
+    ours with --weight-transfer-allow-pickled-ipc-handles).
     """
 
     backend: ClassVar[str] = "ipc"
@@ -439,7 +447,6 @@ class VLLMShapeIPCTrainer(TrainerWeightTransferEngine[TrainerInitInfo]):
         super().__init__(init_info, client, source, rank)
         self.packed = init_info.wire == "vllm_packed"
         self.buffer_size = init_info.packed_buffer_size_bytes
-        self.pickled = _over_http(client)
         self._held: list[torch.Tensor] = []
 
     @classmethod
@@ -447,7 +454,8 @@ class VLLMShapeIPCTrainer(TrainerWeightTransferEngine[TrainerInitInfo]):
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         engine = cls(init_info, client, source, rank)
         if rank == 0:
-            engine._bounded("init_weight_transfer_engine", client.init_weight_transfer_engine, init_info_of(engine.packed))
+            engine._bounded("init_weight_transfer_engine", client.init_weight_transfer_engine,
+                            init_info_of(engine.packed))
         return engine
 
     def _send(self, source: WeightSource) -> SyncStats:
@@ -487,7 +495,7 @@ class VLLMShapeIPCTrainer(TrainerWeightTransferEngine[TrainerInitInfo]):
             shapes.append(list(weight.shape))
             handles.append({gpu_uuid(weight.device.index): args})
         self._bounded("update_weights", self.client.update_weights,
-                      update_info(names, dtypes, shapes, handles, pickled=self.pickled))
+                      update_info(names, dtypes, shapes, handles, pickled=True))
         return 1
 
     def _send_packed(self, source: WeightSource, held: list[torch.Tensor]) -> int:
@@ -506,7 +514,7 @@ class VLLMShapeIPCTrainer(TrainerWeightTransferEngine[TrainerInitInfo]):
                 offset += flat.numel()
             torch.cuda.current_stream(buffer.device).synchronize()  # the engine reads it from another process
             info = update_info([n for n, _ in chunk], [t.dtype for _, t in chunk], [list(t.shape) for _, t in chunk],
-                               handle, [packing.nbytes_of(t.dtype, t.shape) for _, t in chunk], pickled=self.pickled)
+                               handle, [packing.nbytes_of(t.dtype, t.shape) for _, t in chunk], pickled=True)
             self._bounded("update_weights", self.client.update_weights, info)  # returned: the buffer may be refilled
             chunk.clear()
             used = 0
@@ -530,15 +538,6 @@ class VLLMShapeIPCTrainer(TrainerWeightTransferEngine[TrainerInitInfo]):
         if chunk:
             flush()
         return num_calls
-
-
-def _over_http(client: Any) -> bool:
-    """Whether update_info goes to the engine as JSON (our HTTP client): then the handles travel pickled."""
-    from weight_transfer.clients import HTTPWeightSyncClient, ModelWeightSyncClient
-
-    while isinstance(client, ModelWeightSyncClient):
-        client = client.client
-    return isinstance(client, HTTPWeightSyncClient)
 
 
 def _shown(value: Any) -> str:

@@ -74,7 +74,8 @@ def vllm_packed_payload(vllm_ipc, vllm_clients) -> dict:
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_vllm_init_info_is_ours_to_read(vllm_ipc, packed):
-    sent = {"packed": vllm_ipc.IPCTrainerInitInfo(rank=0, packed=packed).packed}  # trainer_init's init_weight_transfer_engine
+    # What vLLM's IPCTrainerWeightTransferEngine.trainer_init posts (init_weight_transfer_engine):
+    sent = {"packed": vllm_ipc.IPCTrainerInitInfo(rank=0, packed=packed).packed}
     assert sent == dataclasses.asdict(vllm_ipc.IPCWeightTransferInitInfo(packed=packed))
     parsed = IPCWeightTransferEngine(torch.device("cpu")).parse_init_info(sent)
     assert isinstance(parsed, ipc_vllm.VLLMIPCInitInfo) and parsed.packed is packed

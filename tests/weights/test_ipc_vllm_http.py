@@ -59,7 +59,8 @@ def _vllm_call(baseline, handles=None) -> dict:
 
 
 def _update(url: str, update_info: dict) -> httpx.Response:
-    """init (vLLM's {"packed": false}, with our "backend" key), start, one update_weights, abort; the update's answer."""
+    """init (vLLM's {"packed": false}, plus our "backend" key), start, one update_weights, abort: the update's
+    answer."""
     with httpx.Client(base_url=url, timeout=60) as http:
         assert http.post("/init_weight_transfer_engine",
                          json={"init_info": {"backend": "ipc", "packed": False}}).status_code == 200

@@ -170,12 +170,14 @@ def test_garbage_is_a_clear_error():
     (lambda c: c.pop("ipc_handles_pickled"), r"update_info.ipc_handles: missing"),
     (lambda c: c.update(dtypes=["bfloat16"]), r"update_info: unknown field\(s\) \['dtypes'\]"),
     (lambda c: c.update(ipc_handles_pickled=pickled([{UUID: rebuild_args(torch.float32)}])),
-     r"ipc_handles\[0\]\['GPU-.*'\]: a torch.float32 \[4, 8\] tensor for 'model.embed_tokens.weight', announced as bfloat16"),
+     r"ipc_handles\[0\]\['GPU-.*'\]: a torch.float32 \[4, 8\] tensor for 'model.embed_tokens.weight', "
+     r"announced as bfloat16"),
     (lambda c: c.update(ipc_handles_pickled=pickled([{UUID: rebuild_args(storage_bytes=10)}])),
      r"\[8\] \(storage_size_bytes\): the tensor reaches byte 64, beyond the storage's 10"),
     (lambda c: c.update(ipc_handles_pickled=pickled([{UUID: rebuild_args()[:14]}])),
      r"ipc_handles\[0\]\['GPU-.*'\]: expected rebuild_cuda_tensor's 15 arguments"),
-    (lambda c: c.update(ipc_handles_pickled=pickled([{UUID: rebuild_args()}] * 2)), r"ipc_handles: 2 entries for 1 names"),
+    (lambda c: c.update(ipc_handles_pickled=pickled([{UUID: rebuild_args()}] * 2)),
+     r"ipc_handles: 2 entries for 1 names"),
     (lambda c: c.update(ipc_handles_pickled=pickled({UUID: rebuild_args()})), r"ipc_handles: expected a list"),
 ])
 def test_bad_unpacked_fields_are_refused_naming_the_field(change, message):
