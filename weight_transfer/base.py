@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import re
 import time
 import typing
@@ -257,21 +258,84 @@ def _resolve(registry: dict, name: str, base: type, kind: str) -> type:
 
 
 @dataclass(frozen=True)
+class Replicate:
+    """A mesh axis along which every coordinate holds the whole extent (vLLM's weight_transfer.base.Replicate)."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A mesh axis that splits tensor dimension `dim` as torch.chunk does (vLLM's weight_transfer.base.Shard)."""
+
+    dim: int
+
+
+Placement = Replicate | Shard
+
+
+@dataclass(frozen=True)
 class ParamMeta:
-    """One tensor of a trainer model as the engine will receive it (full, unsharded)."""
+    """One tensor of a trainer model as the engine will receive it (full, unsharded).
+
+    Same constructor as vLLM's ParamMeta, so a WeightSource written for vLLM's base works here:
+    `owners` None means every trainer rank holds it; `mesh_shape` (row-major, over `owners`;
+    default `(len(owners),)`) and `placements` (one Replicate or Shard per mesh axis; all
+    Replicate is stored as None) describe a sharded layout. Our own sources also give
+    placements as strings (a DTensor's placements, e.g. "Shard(dim=0)"); () and None both mean
+    a plain tensor.
+    """
 
     name: str  # HF name, e.g. "model.layers.0.self_attn.q_proj.weight"
     dtype: torch.dtype
     shape: tuple[int, ...]  # the full tensor's shape
-    owners: tuple[int, ...] = (0,)  # trainer ranks that hold a piece of it
-    placements: tuple[str, ...] = ()  # DTensor placements, e.g. ("Shard(dim=0)",); () for a plain tensor
+    owners: tuple[int, ...] | None = field(default=None, kw_only=True)  # trainer ranks holding a piece; None: all
+    mesh_shape: tuple[int, ...] | None = field(default=None, kw_only=True)
+    placements: tuple[Placement | str, ...] | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        where = f"ParamMeta {self.name!r}"
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"{where}: dtype must be a torch.dtype, got {type(self.dtype).__name__}")
+        placements = tuple(self.placements) if self.placements is not None else None
+        if self.owners is None:
+            if self.mesh_shape is not None or (placements and not all(isinstance(p, str) for p in placements)):
+                raise ValueError(f"{where}: mesh_shape or Shard/Replicate placements need owners")
+            object.__setattr__(self, "placements", placements)
+            return
+        owners = tuple(self.owners)
+        if not owners or len(set(owners)) != len(owners) or any(
+            isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in owners
+        ):
+            raise ValueError(f"{where}: owners must be distinct non-negative ranks, got {self.owners!r}")
+        mesh = (len(owners),) if self.mesh_shape is None else tuple(self.mesh_shape)
+        if any(d <= 0 for d in mesh) or math.prod(mesh) != len(owners):
+            raise ValueError(f"{where}: mesh_shape {mesh} does not cover its {len(owners)} owners")
+        if placements is not None and not all(isinstance(p, str) for p in placements):
+            if len(placements) != len(mesh):
+                raise ValueError(f"{where}: {len(placements)} placements for a {len(mesh)}-D mesh")
+            for p in placements:
+                if isinstance(p, Shard):
+                    if not 0 <= p.dim < len(self.shape):
+                        raise ValueError(f"{where}: Shard(dim={p.dim}) of a {len(self.shape)}-D tensor")
+                elif not isinstance(p, Replicate):
+                    raise TypeError(f"{where}: placement {p!r} is neither Replicate nor Shard")
+            if all(isinstance(p, Replicate) for p in placements):
+                placements = None
+        object.__setattr__(self, "owners", owners)
+        object.__setattr__(self, "mesh_shape", mesh)
+        object.__setattr__(self, "placements", placements)
+
+    def owned_by(self, rank: int) -> bool:
+        return self.owners is None or rank in self.owners
+
+    @property
+    def sharded(self) -> bool:
+        """More than one owner, or a sharded layout: iter_full gathers (a collective) for it."""
+        return bool(self.placements) or (self.owners is not None and len(self.owners) > 1)
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -311,24 +375,49 @@ class SparseWeightPatch:
 
 
 class WeightSource(ABC):
-    """What a trainer rank can send: metadata (identical on every rank) and fresh passes over the tensors."""
+    """What a trainer rank can send: metadata (identical on every rank) and fresh passes over the tensors.
+
+    Written either our way (`_metadata()`, cached into `metadata`) or vLLM's (`metadata` itself a
+    functools.cached_property): a subclass of vLLM's WeightSource works here unchanged once it
+    imports this one. iter_local is optional (vLLM's sources may have only iter_full); a backend
+    that needs it says so.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        metadata = cls.__dict__.get("metadata")
+        if metadata is not None and not isinstance(metadata, cached_property):
+            raise TypeError(
+                f"{cls.__name__}.metadata must be a functools.cached_property (engines read it repeatedly; "
+                "it must not change), or define _metadata() instead"
+            )
 
     @cached_property
     def metadata(self) -> list[ParamMeta]:
         return self._metadata()
 
-    @abstractmethod
     def _metadata(self) -> list[ParamMeta]:
-        """The tensors, in the order every pass yields them."""
+        """The tensors, in the order every pass yields them (or override `metadata`)."""
+        raise NotImplementedError(f"{type(self).__name__}: define metadata (a cached_property) or _metadata()")
+
+    def owned_names(self, rank: int) -> list[str]:
+        """The names `rank` iterates, in metadata order."""
+        return [m.name for m in self.metadata if m.owned_by(rank)]
+
+    def implements_iter_full(self) -> bool:
+        return type(self).iter_full is not WeightSource.iter_full
+
+    def implements_iter_local(self) -> bool:
+        return type(self).iter_local is not WeightSource.iter_local
 
     @abstractmethod
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) in metadata order. Sharded sources gather while iterating, so
         every rank must run the same pass; memory stays bounded to one full tensor."""
 
-    @abstractmethod
     def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, this rank's local piece) in metadata order; no communication."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement iter_local")
 
 
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
@@ -387,8 +476,10 @@ class ModuleSource(WeightSource):
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         metas = []
         for name, p in self._params():
-            owners = tuple(range(world)) if _is_dtensor(p) else (0,)
-            metas.append(ParamMeta(name, self.dtype or p.dtype, tuple(p.shape), owners, _placements(p)))
+            # A plain tensor: every rank holds it (owners None); a DTensor: the ranks of the group.
+            owners = tuple(range(world)) if _is_dtensor(p) else None
+            metas.append(ParamMeta(name, self.dtype or p.dtype, tuple(p.shape), owners=owners,
+                                   placements=_placements(p)))
         return metas
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:

@@ -993,7 +993,7 @@ def _earliest_engine_failure(pending: dict[int, "_InFlight"]) -> BaseException |
 
 def _gathers(metas: list[ParamMeta]) -> bool:
     """Whether a full pass over a source with these tensors needs every rank (sharded tensors are gathered)."""
-    return any(m.placements or len(m.owners) > 1 for m in metas)
+    return any(m.sharded for m in metas)
 
 
 def _concrete(device: torch.device) -> torch.device:

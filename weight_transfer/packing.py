@@ -51,6 +51,39 @@ def plan_packs(sizes: Sequence[int], buffer_size: int) -> list[Pack]:
     return packs
 
 
+def plan_nccl_packs(sizes: Sequence[int], buffer_size: int) -> list[Pack]:
+    """vLLM's packed NCCL layout (its packed_tensor producer and consumer), which nccl and sparse_nccl use.
+
+    Tensors are laid end to end with no padding, in order; a pack takes tensors until its
+    bytes exceed buffer_size, the tensor that crosses the line included, then the next pack
+    starts. So a pack may be larger than buffer_size (by at most one tensor), and a pack's
+    bytes are exactly torch.cat of its tensors' bytes. Offsets are not aligned: a receiver
+    viewing a slot as a wider dtype must copy when the offset is not a multiple of its size
+    (view_or_copy).
+    """
+    if buffer_size < 1:
+        raise ValueError(f"buffer size: {buffer_size} bytes is too small (at least 1)")
+    packs: list[Pack] = []
+    slots: list[PackSlot] = []
+    used = 0
+    for index, size in enumerate(sizes):
+        slots.append(PackSlot(index, used, size))
+        used += size
+        if used > buffer_size:
+            packs.append(Pack(tuple(slots), used))
+            slots, used = [], 0
+    if slots:
+        packs.append(Pack(tuple(slots), used))
+    return packs
+
+
+def view_or_copy(buffer: torch.Tensor, slot: PackSlot, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """view_of when slot.offset suits dtype's alignment, else a copy of the slot's bytes (plan_nccl_packs)."""
+    if slot.offset % dtype.itemsize == 0 and buffer.storage_offset() % dtype.itemsize == 0:
+        return view_of(buffer, slot, dtype, shape)
+    return buffer[slot.offset : slot.offset + slot.nbytes].clone().view(dtype).reshape(tuple(shape))
+
+
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -97,6 +130,30 @@ class TensorList(Message):
             raise ValueError(
                 f"{len(self.names)} names, {len(self.dtypes)} dtypes, {len(self.shapes)} shapes; they must match"
             )
+
+
+class DtypeNamesTensorList(Message):
+    """vLLM's spelling of a call's tensors: {"names", "dtype_names", "shapes"} (nccl, sparse_nccl update_info).
+
+    All three empty means "the same tensors as this model's last call" (vLLM's trainer sends the
+    metadata once and empty lists while it stays the same); a backend resolves that.
+    """
+
+    names: list[NonEmptyStr] = []
+    dtype_names: list[torch.dtype] = []
+    shapes: list[tuple[NonNegInt, ...]] = []
+
+    def check(self) -> None:
+        if not (len(self.names) == len(self.dtype_names) == len(self.shapes)):
+            raise ValueError(
+                f"{len(self.names)} names, {len(self.dtype_names)} dtype_names, {len(self.shapes)} shapes; "
+                "they must match"
+            )
+
+
+def dtype_names_list(names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]) -> dict:
+    """The JSON form DtypeNamesTensorList reads (vLLM's update_info fields)."""
+    return {"names": list(names), "dtype_names": [dtype_name(d) for d in dtypes], "shapes": [list(s) for s in shapes]}
 
 
 def tensor_list(names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]) -> dict:

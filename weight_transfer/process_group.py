@@ -8,7 +8,7 @@ worker says it joined, that it has posted the receives of an update call, and th
 says it gave up on a call.
 
 send_items / receive_items move a list of tensors (WireSpec: dtype and shape) from rank 0 to
-every other rank, packed into rotating buffers (packing.plan_packs) or one broadcast each.
+every other rank, packed into rotating buffers (packing.plan_nccl_packs: vLLM's layout) or one broadcast each.
 
 Every blocking wait here is bounded by timeout_s and raises TimeoutError, or
 WeightSyncTransportError when the transport itself fails (a peer's connection closed). A
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weight_transfer.packing import Pack, copy_into, plan_packs, view_of
+from weight_transfer.packing import Pack, copy_into, plan_nccl_packs, view_or_copy
 
 logger = logging.getLogger(__name__)
 
@@ -283,19 +283,21 @@ class WireSpec:
 
 
 class _BufferRing:
-    """settings.num_buffers pack buffers, allocated on first use and sized to the largest pack that fits one.
+    """settings.num_buffers pack buffers, allocated on first use and sized to the largest usual pack.
 
-    Pack k uses buffer k % num_buffers; a pack larger than buffer_size (one oversized tensor)
-    gets a buffer of its own for its time in flight.
+    Pack k uses buffer k % num_buffers. vLLM's layout (packing.plan_nccl_packs) lets a pack run
+    past buffer_size by its last tensor; packs up to twice buffer_size share the ring, a larger
+    one (an oversized tensor) gets a buffer of its own for its time in flight.
     """
 
     def __init__(self, plan: list[Pack], settings: TransferSettings, device: torch.device) -> None:
         self.settings, self.device = settings, device
-        self.size = max((p.nbytes for p in plan if p.nbytes <= settings.buffer_size), default=0)
+        self.limit = 2 * settings.buffer_size
+        self.size = max((p.nbytes for p in plan if p.nbytes <= self.limit), default=0)
         self.buffers: list[torch.Tensor | None] = [None] * settings.num_buffers
 
     def buffer_for(self, k: int, pack: Pack) -> torch.Tensor:
-        if pack.nbytes > self.settings.buffer_size:
+        if pack.nbytes > self.limit:
             return torch.empty(pack.nbytes, dtype=torch.uint8, device=self.device)
         i = k % self.settings.num_buffers
         if self.buffers[i] is None:
@@ -351,7 +353,7 @@ def _send_packed(
     group: WeightSyncGroup, specs: Sequence[WireSpec], tensors: Iterator[torch.Tensor],
     settings: TransferSettings, check: Check | None,
 ) -> int:
-    plan = plan_packs([s.nbytes for s in specs], settings.buffer_size)
+    plan = plan_nccl_packs([s.nbytes for s in specs], settings.buffer_size)
     ring = _BufferRing(plan, settings, group.device)
     num = settings.num_buffers
     in_flight: list = [None] * num  # in_flight[i]: the broadcast that still reads buffer i
@@ -398,7 +400,7 @@ def receive_items(
 def _receive_packed(
     group: WeightSyncGroup, specs: Sequence[WireSpec], settings: TransferSettings, check: Check | None
 ) -> Iterator[torch.Tensor]:
-    plan = plan_packs([s.nbytes for s in specs], settings.buffer_size)
+    plan = plan_nccl_packs([s.nbytes for s in specs], settings.buffer_size)
     ring = _BufferRing(plan, settings, group.device)
     num = settings.num_buffers
     posted: dict[int, tuple[Any, torch.Tensor]] = {}
@@ -415,7 +417,7 @@ def _receive_packed(
             group.wait(work, _pack_what("receiving", k, plan, specs), check)
         for slot in pack.slots:
             spec = specs[slot.index]
-            yield view_of(buffer, slot, spec.dtype, spec.shape)
+            yield view_or_copy(buffer, slot, spec.dtype, spec.shape)
         # The consumer asked for the next tensor, so it is done with every view of pack k
         # (the worker lands a tensor before it pulls the next): the buffer takes pack k + num.
         if k + num < len(plan):

@@ -1,11 +1,15 @@
 """The "sparse_nccl" backend: the nccl transport carrying coordinate patches (SparseWeightPatch) beside dense tensors.
 
-init_info: as for "nccl" (weight_transfer/nccl.py), with "backend": "sparse_nccl".
-update_info (SparseNCCLUpdateInfo, JSON): {"names", "dtypes", "shapes", "call_id"} as for "nccl", plus
-    "nnz": [int | null, ...]   per tensor: the number of changed coordinates of a patch, or
-                               null for a dense tensor. dtypes and shapes are the full tensor's.
+init_info: as for "nccl" (weight_transfer/nccl.py; vLLM's trainer sends no packed fields here).
+update_info (SparseNCCLUpdateInfo, JSON): {"names", "dtype_names", "shapes"} as for "nccl", plus one of
+    "num_updates_list": [int, ...]  vLLM's wire: every entry is a patch with this many coordinates;
+                               per patch, in order, one broadcast of its int32 indices and one of
+                               its values (never packed). A vLLM trainer sends this.
+    "nnz": [int | null, ...]   ours (with "call_id"): per tensor the number of changed coordinates
+                               of a patch, or null for a dense tensor.
+dtype_names and shapes are the full tensor's.
 
-On the wire (one packing plan over these items, as for "nccl"):
+On the wire with "nnz" (one packing plan over these items, as for "nccl"):
 
     [indices of every patch, concatenated: int32]  only if the call has patches
     [values of every patch, concatenated]           one item per dtype, in first-seen order
@@ -40,8 +44,8 @@ from weight_transfer.nccl import (
     NCCLWeightUpdate,
     _in_metadata_order,
 )
-from weight_transfer.packing import dtype_name, tensor_list
-from weight_transfer.process_group import WireSpec
+from weight_transfer.packing import dtype_name, dtype_names_list
+from weight_transfer.process_group import TransferSettings, WireSpec
 
 Entry = torch.Tensor | SparseWeightPatch
 
@@ -71,22 +75,31 @@ def sparse_wire_specs(
 
 
 class SparseNCCLUpdateInfo(NCCLUpdateInfo):
-    """nccl's update_info plus, per tensor, the number of changed coordinates of its patch (None: dense)."""
+    """nccl's update_info plus, per tensor, its patch's coordinate count: vLLM's num_updates_list (all
+    patches), or our nnz (None: a dense tensor)."""
 
     # Any 64-bit int here: its range, [0, the tensor's numel], depends on the tensor (check).
-    nnz: list[int_in() | None]
+    nnz: list[int_in() | None] | None = None
+    num_updates_list: list[int_in()] | None = None
 
     def check(self) -> None:
         super().check()
-        if len(self.nnz) != len(self.names):
+        if (self.nnz is None) == (self.num_updates_list is None):
+            raise ValueError(".num_updates_list: give it (vLLM's) or nnz (ours), exactly one")
+        field = "nnz" if self.nnz is not None else "num_updates_list"
+        counts = self.nnz if self.nnz is not None else self.num_updates_list
+        if not self.names:
+            raise ValueError(f".{field}: a sparse update needs at least one tensor")
+        if len(counts) != len(self.names):
             raise ValueError(
-                ".nnz: expected a list with one entry per tensor (an int for a patch, null for a "
-                f"dense tensor), got {len(self.nnz)} entries for {len(self.names)} tensors"
+                f".{field}: expected a list with one entry per tensor (an int for a patch"
+                f"{', null for a dense tensor' if field == 'nnz' else ''}), got {len(counts)} entries for "
+                f"{len(self.names)} tensors"
             )
-        for i, (name, dtype, shape, n) in enumerate(zip(self.names, self.dtypes, self.shapes, self.nnz)):
+        for i, (name, dtype, shape, n) in enumerate(zip(self.names, self.dtype_names, self.shapes, counts)):
             if n is None:
                 continue
-            where = f".nnz[{i}] ({name!r})"
+            where = f".{field}[{i}] ({name!r})"
             numel = math.prod(shape)
             if not 0 <= n <= numel:
                 raise ValueError(f"{where}: {n} is out of range (must be in [0, {numel}], the tensor's elements)")
@@ -99,6 +112,7 @@ class SparseNCCLUpdateInfo(NCCLUpdateInfo):
 @dataclass(kw_only=True)
 class SparseNCCLWeightUpdate(NCCLWeightUpdate):
     nnz: list[int | None]  # per tensor: a patch's changed coordinates, or None for a dense tensor
+    vllm_wire: bool = False  # num_updates_list: per patch, its indices then its values, unpacked
 
 
 class SparseNCCLWeightTransferEngine(NCCLWeightTransferEngine):
@@ -107,11 +121,19 @@ class SparseNCCLWeightTransferEngine(NCCLWeightTransferEngine):
     update_info_type = SparseNCCLUpdateInfo
 
     def plan_update(self, update_info: SparseNCCLUpdateInfo) -> SparseNCCLWeightUpdate:
+        if self.info is None:
+            self._require_group()
+        vllm_wire = update_info.num_updates_list is not None
+        call_id = None if vllm_wire and update_info.call_id is None else self._call_id(update_info)
         self._require_group()
-        return SparseNCCLWeightUpdate(update_info.names, update_info.dtypes, update_info.shapes,
-                                      call_id=update_info.call_id, nnz=update_info.nnz)
+        nnz = list(update_info.num_updates_list if vllm_wire else update_info.nnz)
+        return SparseNCCLWeightUpdate(list(update_info.names), list(update_info.dtype_names), list(update_info.shapes),
+                                      call_id=call_id, nnz=nnz, vllm_wire=vllm_wire)
 
     def receive_weights(self, info: SparseNCCLWeightUpdate) -> Iterator[tuple[str, Entry]]:
+        if info.vllm_wire:
+            yield from self._receive_vllm(info)
+            return
         stream = self._receive(info.call_id, sparse_wire_specs(info.names, info.dtypes, info.shapes, info.nnz))
         try:
             patches = _take_patches(info, stream)  # every patch checked before anything is yielded
@@ -120,6 +142,32 @@ class SparseNCCLWeightTransferEngine(NCCLWeightTransferEngine):
             next(stream, None)  # runs the stream to its end (marks the call complete)
         finally:
             stream.close()  # after a failure or an early stop: aborts the group
+
+    def _receive_vllm(self, info: SparseNCCLWeightUpdate) -> Iterator[tuple[str, Entry]]:
+        """vLLM's sparse wire: per patch an int32 indices broadcast, then a values broadcast, never packed.
+        Every patch is received and validated before the first is yielded (validate-then-land)."""
+        specs = vllm_sparse_wire_specs(info.names, info.dtypes, info.nnz)
+        settings = TransferSettings(False, self.info.settings.buffer_size, self.info.settings.num_buffers)
+        stream = self._receive(info.call_id, specs, settings)
+        try:
+            patches = []
+            for name, dtype, shape in zip(info.names, info.dtypes, info.shapes):
+                patch = SparseWeightPatch(name, next(stream), next(stream), tuple(shape))
+                patch.validate(dtype)  # ValueError naming the tensor; nothing has been yielded yet
+                patches.append(patch)
+            next(stream, None)
+        finally:
+            stream.close()
+        for patch in patches:
+            yield patch.name, patch
+
+
+def vllm_sparse_wire_specs(names: Sequence[str], dtypes: Sequence[torch.dtype], counts: Sequence[int]) -> list[WireSpec]:
+    """vLLM's sparse wire items: per patch its indices (int32) and its values (the tensor's dtype), in order."""
+    specs = []
+    for name, dtype, n in zip(names, dtypes, counts):
+        specs += [WireSpec(f"{name} (patch indices)", torch.int32, (n,)), WireSpec(f"{name} (patch values)", dtype, (n,))]
+    return specs
 
 
 def _take_patches(info: SparseNCCLWeightUpdate, stream: Iterator[torch.Tensor]) -> dict[str, SparseWeightPatch]:
@@ -274,6 +322,6 @@ class SparseNCCLTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
             for dtype in _value_dtypes(dtypes, nnz):
                 items.append(torch.cat([p.values.to(self.device) for p in patches if p.values.dtype == dtype]))
         items += [entry for _, entry in chunk if not isinstance(entry, SparseWeightPatch)]
-        update_info: dict[str, Any] = {**tensor_list(names, dtypes, shapes), "nnz": nnz}
+        update_info: dict[str, Any] = {**dtype_names_list(names, dtypes, shapes), "nnz": nnz}
         return self._send_call(update_info, sparse_wire_specs(names, dtypes, shapes, nnz), iter(items))
 

@@ -113,7 +113,9 @@ class WeightUpdater:
             raise ValueError(f"init_info: expected a dict, got {type(init_info).__name__}")
         if self.updating:
             raise WeightUpdateStateError("init_weight_transfer_engine: a weight update is in progress; finish it first")
-        backend = init_info.get("backend")
+        # vLLM's trainers send no "backend" (its server is configured with one, nccl by default; ours fills
+        # it from --weight-transfer-backend / --weight-transfer-config before the call gets here).
+        backend = init_info.get("backend", "nccl")
         if not isinstance(backend, str):
             raise ValueError(f"init_info.backend: expected a backend name, got {backend!r}")
         engine = get_engine_backend(backend)(self.device)

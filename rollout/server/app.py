@@ -15,6 +15,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from engine.async_llm import Admission
 from engine.config import EngineConfig
+from engine.engine_args import num_routed_experts
 from engine.control import EngineControls
 from engine.exceptions import EngineDeadError
 from engine.outputs import RequestOutput
@@ -73,6 +74,7 @@ class ServerState:
     config: ServerConfig
     model_name: str
     max_model_len: int
+    num_experts: int = 0  # routed experts per MoE layer (0: a dense model); sets the dtype of routed_experts
 
     def check_batch(self, num_prompts: int, n: int) -> None:
         """A batched completion fans out into num_prompts x n sequences: bounded before any is made."""
@@ -82,6 +84,12 @@ class ServerState:
                 f"prompt: {num_prompts} prompts x n={n} is {num_prompts * n} sequences, over this server's "
                 f"limit of {limit} (--max-batch-sequences)"
             )
+
+    def with_server_defaults(self, params: SamplingParams) -> SamplingParams:
+        """--enable-return-routed-experts turns routed experts on for every request."""
+        if self.config.enable_return_routed_experts and not params.return_routed_experts:
+            return params.clone(return_routed_experts=True)
+        return params
 
     def check_model(self, model: str | None) -> None:
         # An absent model means "the one you serve", as vLLM does.
@@ -131,59 +139,121 @@ async def _generate_all(
         admission.release()  # what a request cancelled before its tokenization still held
 
 
-def _completion_choices(state: ServerState, outputs: list[RequestOutput], n: int, return_token_ids: bool):
+def _prompt_text(state: ServerState, body: P.CompletionRequest, out: RequestOutput) -> str:
+    """The prompt's text as an echo shows it: as given, or decoded from its token ids ("" with
+    return_token_ids, whose prompt_token_ids say it already, as vLLM does)."""
+    if body.return_token_ids:
+        return ""
+    if out.prompt is not None:
+        return out.prompt
+    return state.engine.tokenizer.decode(out.prompt_token_ids)
+
+
+def _routed_experts(state: ServerState, c) -> str | None:
+    return F.routed_experts_b64(c.routed_experts, state.num_experts) if c.routed_experts is not None else None
+
+
+def _completion_choices(state: ServerState, body: P.CompletionRequest, outputs: list[RequestOutput]):
     choices = []
     for prompt_index, out in enumerate(outputs):
         for c in out.outputs:
+            text, token_ids, positions = c.text, c.token_ids, c.logprobs
+            if body.echo:
+                text, token_ids, positions = F.echoed(_prompt_text(state, body, out), out.prompt_token_ids,
+                                                      out.prompt_logprobs, c, body.echo_only)
+            logprobs = None
+            if body.logprobs is not None and positions is not None:
+                logprobs = F.legacy_logprobs(state.engine, token_ids, positions)
             choices.append(
                 P.CompletionChoice(
-                    index=prompt_index * n + c.index,
-                    text=c.text,
-                    logprobs=F.completion_logprobs(state.engine, c, 0),
+                    index=prompt_index * body.n + c.index,
+                    text=text,
+                    logprobs=logprobs,
                     finish_reason=F.finish_reason(c.finish_reason),
                     stop_reason=c.stop_reason,
-                    prompt_token_ids=list(out.prompt_token_ids) if return_token_ids else None,
-                    token_ids=list(c.token_ids) if return_token_ids else None,
-                    weight_versions=list(c.weight_versions) if return_token_ids else None,
+                    prompt_token_ids=list(out.prompt_token_ids) if body.return_token_ids else None,
+                    token_ids=list(c.token_ids) if body.return_token_ids else None,
+                    weight_versions=F.weight_version_spans(c.weight_versions) if body.return_weight_versions else None,
                     prompt_logprobs=F.prompt_logprobs_json(out.prompt_logprobs),
-                    routed_experts=c.routed_experts,
+                    routed_experts=_routed_experts(state, c),
                 )
             )
     return sorted(choices, key=lambda ch: ch.index)
+
+
+class _ChoiceStream:
+    """What a streamed choice has sent so far: its text offset, whether its prompt was echoed, its
+    weight-version spans and routed-experts rows (both sent whole in its last chunk, as vLLM does)."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+        self.echoed = False
+        self.num_tokens = 0
+        self.spans: list[list] = []  # [version, start, end] over the whole output
+        self.routed: list | None = None
+
+    def add(self, c) -> None:
+        for version, start, end in c.weight_versions:
+            if self.spans and self.spans[-1][0] == version and self.spans[-1][2] == self.num_tokens + start:
+                self.spans[-1][2] = self.num_tokens + end
+            else:
+                self.spans.append([version, self.num_tokens + start, self.num_tokens + end])
+        self.num_tokens += len(c.token_ids)
+        if c.routed_experts is not None:
+            self.routed = (self.routed or []) + c.routed_experts
 
 
 async def _stream_completions(
     state: ServerState, body: P.CompletionRequest, req_id: str, gens: list, firsts: list
 ) -> AsyncIterator[str]:
     created, n = int(time.time()), body.n
-    offsets: dict[int, int] = {}  # choice index -> characters sent (text_offset continues across chunks)
+    streams: dict[int, _ChoiceStream] = {}  # by choice index
     prompt_lens: dict[int, int] = {}
+    prompt_logprobs: dict[int, Any] = {}  # DELTA outputs carry a prompt's logprobs once: kept for every choice's echo
     num_completion_tokens = 0
     try:
         async for prompt_index, out in merge_streams(gens, firsts):
             first_of_prompt = prompt_index not in prompt_lens
             prompt_lens[prompt_index] = len(out.prompt_token_ids)
+            if out.prompt_logprobs is not None:
+                prompt_logprobs.setdefault(prompt_index, out.prompt_logprobs)
             choices = []
             for c in out.outputs:
                 index = prompt_index * n + c.index
-                offset = offsets.get(index, 0)
-                offsets[index] = offset + len(c.text)
+                cs = streams.setdefault(index, _ChoiceStream())
+                cs.add(c)
                 num_completion_tokens += len(c.token_ids)
+                text, token_ids, positions = c.text, c.token_ids, c.logprobs
+                if body.echo and not cs.echoed:
+                    text, token_ids, positions = F.echoed(_prompt_text(state, body, out), out.prompt_token_ids,
+                                                          prompt_logprobs.get(prompt_index), c, body.echo_only)
+                    cs.echoed = True
+                elif body.echo_only:
+                    continue  # the prompt alone was asked for, and it is sent
+                logprobs = None
+                if body.logprobs is not None and positions is not None:
+                    logprobs = F.legacy_logprobs(state.engine, token_ids, positions, cs.offset)
+                cs.offset = F.next_text_offset(logprobs, cs.offset, text)
+                last = c.finish_reason is not None
                 choices.append(
                     P.CompletionChoice(
                         index=index,
-                        text=c.text,
-                        logprobs=F.completion_logprobs(state.engine, c, offset),
+                        text=text,
+                        logprobs=logprobs,
                         finish_reason=F.finish_reason(c.finish_reason),
                         stop_reason=c.stop_reason,
                         prompt_token_ids=(
                             list(out.prompt_token_ids) if body.return_token_ids and first_of_prompt else None
                         ),
                         token_ids=list(c.token_ids) if body.return_token_ids else None,
-                        weight_versions=list(c.weight_versions) if body.return_token_ids else None,
+                        weight_versions=(
+                            F.weight_version_spans(cs.spans) if body.return_weight_versions and last else None
+                        ),
                         # DELTA outputs carry the prompt logprobs once, in the first output.
                         prompt_logprobs=F.prompt_logprobs_json(out.prompt_logprobs),
-                        routed_experts=c.routed_experts,
+                        routed_experts=(
+                            F.routed_experts_b64(cs.routed, state.num_experts) if last and cs.routed else None
+                        ),
                     )
                 )
             if choices:
@@ -204,6 +274,7 @@ async def _stream_chat(
 ) -> AsyncIterator[str]:
     created, num_top = int(time.time()), body.top_logprobs or 0
     num_completion_tokens, prompt_len = 0, 0
+    streams: dict[int, _ChoiceStream] = {}
 
     def chunk(choices, **extra) -> str:
         return F.sse(P.ChatCompletionChunk(id=req_id, created=created, model=state.model_name, choices=choices, **extra))
@@ -219,6 +290,9 @@ async def _stream_chat(
             choices = []
             for c in out.outputs:
                 num_completion_tokens += len(c.token_ids)
+                cs = streams.setdefault(c.index, _ChoiceStream())
+                cs.add(c)
+                last = c.finish_reason is not None
                 choices.append(
                     P.ChatStreamChoice(
                         index=c.index,
@@ -227,8 +301,12 @@ async def _stream_chat(
                         finish_reason=F.finish_reason(c.finish_reason),
                         stop_reason=c.stop_reason,
                         token_ids=list(c.token_ids) if body.return_token_ids else None,
-                        weight_versions=list(c.weight_versions) if body.return_token_ids else None,
-                        routed_experts=c.routed_experts,
+                        weight_versions=(
+                            F.weight_version_spans(cs.spans) if body.return_weight_versions and last else None
+                        ),
+                        routed_experts=(
+                            F.routed_experts_b64(cs.routed, state.num_experts) if last and cs.routed else None
+                        ),
                     )
                 )
             if choices:
@@ -275,7 +353,11 @@ def _chat_prompt(body: P.ChatCompletionRequest) -> dict:
 def build_app(engine: ServedEngine, server_config: ServerConfig, model_name: str | None = None) -> FastAPI:
     """The server's FastAPI app over `engine` (an AsyncLLM, or a RolloutGroup of them); `model_name` overrides the served name."""
     name = server_config.served_model_name or model_name or engine.model_name
-    state = ServerState(engine, server_config, name, engine.config.model.max_model_len)
+    hf_config = engine.config.model.hf_config_dict()
+    state = ServerState(engine, server_config, name, engine.config.model.max_model_len, num_routed_experts(hf_config))
+    if server_config.enable_return_routed_experts and not state.num_experts:
+        raise ValueError("enable_return_routed_experts: the model has no mixture-of-experts layers, "
+                         "so there is no expert routing to return")
     app = FastAPI(title="rollout-toolkit", version=_version())
     app.state.server = state
     add_exception_handlers(app)
@@ -311,14 +393,21 @@ def build_app(engine: ServedEngine, server_config: ServerConfig, model_name: str
 
 
 def _backend_check(server_config: ServerConfig):
-    """init_weight_transfer_engine's check that init_info names the backend --weight-transfer-backend allows (if set)."""
+    """init_weight_transfer_engine's check: the server picks the backend of an init_info that names none
+    (vLLM's trainers never do: --weight-transfer-backend / --weight-transfer-config, else nccl as in vLLM),
+    and refuses one that names another backend than the operator allowed."""
     allowed = server_config.weight_transfer_backend
 
     def check(arguments: dict) -> None:
-        backend = arguments["init_info"].get("backend")
-        if allowed is not None and backend != allowed:
+        init_info = arguments["init_info"]
+        if not isinstance(init_info, dict):
+            return  # the engine's own check names the field
+        backend = init_info.get("backend")
+        if backend is None:
+            arguments["init_info"] = {**init_info, "backend": allowed or "nccl"}
+        elif allowed is not None and backend != allowed:
             raise ValueError(f"init_info.backend: this server takes weight_transfer_backend {allowed!r} "
-                             f"(--weight-transfer-backend), got {backend!r}")
+                             f"(--weight-transfer-backend / --weight-transfer-config), got {backend!r}")
 
     return check
 
@@ -378,7 +467,8 @@ def _api_routes(state: ServerState) -> APIRouter:
 
     @router.get("/v1/models")
     async def models() -> P.ModelList:
-        card = P.ModelCard(id=state.model_name, root=engine.config.model.model, max_model_len=state.max_model_len)
+        card = P.ModelCard(id=state.model_name, root=engine.config.model.model, max_model_len=state.max_model_len,
+                           parent=None)
         return P.ModelList(data=[card])
 
     generation_errors = {**error_responses(404, 503), 200: {"content": _STREAM}}
@@ -387,13 +477,13 @@ def _api_routes(state: ServerState) -> APIRouter:
     async def completions(body: P.CompletionRequest, request: Request):
         state.check_model(body.model)
         prompts = body.prompts()
-        params = body.to_sampling_params(state.max_model_len)
+        params = state.with_server_defaults(body.to_sampling_params(state.max_model_len))
         req_id = _request_id("cmpl")
         if body.stream:
             gens, firsts = await _open_streams(request, state, prompts, params, req_id, body.priority)
             return _streaming_response(_stream_completions(state, body, req_id, gens, firsts))
         outputs = await _generate_all(request, state, prompts, params, req_id, body.priority)
-        choices = _completion_choices(state, outputs, body.n, body.return_token_ids)
+        choices = _completion_choices(state, body, outputs)
         num_completion = sum(len(c.token_ids) for out in outputs for c in out.outputs)
         return P.CompletionResponse(
             id=req_id, model=state.model_name, choices=choices,
@@ -404,7 +494,8 @@ def _api_routes(state: ServerState) -> APIRouter:
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
         state.check_model(body.model)
         prompt = _chat_prompt(body)
-        params = body.to_sampling_params(state.max_model_len)  # an unset max_tokens: up to max_model_len
+        # An unset max_tokens: up to max_model_len.
+        params = state.with_server_defaults(body.to_sampling_params(state.max_model_len))
         req_id = _request_id("chatcmpl")
         if body.stream:
             gens, firsts = await _open_streams(request, state, [prompt], params, req_id, body.priority)
@@ -418,8 +509,8 @@ def _api_routes(state: ServerState) -> APIRouter:
                 finish_reason=F.finish_reason(c.finish_reason),
                 stop_reason=c.stop_reason,
                 token_ids=list(c.token_ids) if body.return_token_ids else None,
-                weight_versions=list(c.weight_versions) if body.return_token_ids else None,
-                routed_experts=c.routed_experts,
+                weight_versions=F.weight_version_spans(c.weight_versions) if body.return_weight_versions else None,
+                routed_experts=_routed_experts(state, c),
             )
             for c in sorted(out.outputs, key=lambda c: c.index)
         ]
@@ -442,7 +533,14 @@ def _api_routes(state: ServerState) -> APIRouter:
             _, ids = await asyncio.to_thread(processor.tokenize, conversation)
         else:
             ids = await asyncio.to_thread(processor.encode, body.prompt, body.add_special_tokens)
-        return P.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.max_model_len)
+        token_strs = engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return P.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.max_model_len, token_strs=token_strs)
+
+    if state.config.enable_tokenizer_info_endpoint:
+
+        @router.get("/tokenizer_info")
+        async def tokenizer_info() -> P.TokenizerInfoResponse:
+            return P.TokenizerInfoResponse(**F.tokenizer_info(engine.tokenizer))
 
     @router.post("/detokenize", responses=error_responses(404))
     async def detokenize(body: P.DetokenizeRequest) -> P.DetokenizeResponse:

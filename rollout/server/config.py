@@ -37,10 +37,31 @@ class ServerConfig:
     enable_rl_routes: bool = False
     """Serve the RL control routes (/pause, /resume, /sleep, /wake_up, /abort_requests, weight updates...); they change what everyone gets, so keep them behind --api-key or a private network."""
 
+    enable_return_routed_experts: bool = False
+    """Mixture-of-experts models: every /v1/completions, /v1/chat/completions and /inference/v1/generate choice carries routed_experts (vLLM's flag; a request may also ask with return_routed_experts)."""
+    enable_tokenizer_info_endpoint: bool = False
+    """Serve GET /tokenizer_info (the tokenizer's configuration, chat template included), as vLLM's flag of this name."""
+
     weight_transfer_backend: str | None = None
-    """The weight-sync backend /init_weight_transfer_engine accepts (local, nccl, sparse_nccl, ipc, sharded_rdt); unset: any of them."""
+    """The weight-sync backend /init_weight_transfer_engine accepts (local, nccl, sparse_nccl, ipc, sharded_rdt), and the one an init_info without "backend" gets (vLLM's trainers send none); unset: any backend init_info names, nccl when it names none (vLLM's default)."""
+    weight_transfer_config: dict | None = None
+    """vLLM's spelling of --weight-transfer-backend: a JSON object {"backend": "nccl"} (its only key, as in vLLM 0.33); it sets weight_transfer_backend, and giving both with different backends is an error."""
 
     def __post_init__(self) -> None:
+        if self.weight_transfer_config is not None:
+            config = self.weight_transfer_config
+            unknown = sorted(set(config) - {"backend"})
+            if unknown:
+                raise ValueError(f"weight_transfer_config: unknown key(s) {unknown}; it takes only 'backend'")
+            backend = config.get("backend", "nccl")  # vLLM's WeightTransferConfig default
+            if not isinstance(backend, str):
+                raise ValueError(f"weight_transfer_config.backend: expected a backend name, got {backend!r}")
+            if self.weight_transfer_backend is not None and self.weight_transfer_backend != backend:
+                raise ValueError(
+                    f"weight_transfer_config.backend {backend!r} contradicts weight_transfer_backend "
+                    f"{self.weight_transfer_backend!r}; give one of them"
+                )
+            self.weight_transfer_backend = backend
         if self.weight_transfer_backend is not None:
             from weight_transfer.base import known_engine_backends
 

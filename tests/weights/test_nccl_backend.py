@@ -17,7 +17,7 @@ import torch
 from weight_transfer.base import StateDictSource, WeightSource, as_source, trainer_init
 from weight_transfer.clients import HTTPWeightSyncClient, WeightSyncClient, WeightSyncError
 from weight_transfer.nccl import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine, NCCLWeightTransferEngine
-from weight_transfer.packing import plan_packs
+from weight_transfer.packing import plan_nccl_packs
 from weight_transfer.process_group import (
     WeightSyncGroup,
     WeightSyncTransportError,
@@ -76,7 +76,7 @@ class _HookedSource(WeightSource):
         ({"master_port": 70000}, "master_port"),
         ({"world_size": 1}, "world_size"),
         ({"packed": "yes"}, "packed"),
-        ({"packed_buffer_size_bytes": 16}, "packed_buffer_size_bytes"),
+        ({"packed_buffer_size_bytes": 0}, "packed_buffer_size_bytes"),
         ({"packed_num_buffers": 0}, "packed_num_buffers"),
         ({"rank": -1}, "rank"),
         ({"timeout_s": 0}, "timeout_s"),
@@ -103,7 +103,7 @@ GOOD_ENGINE_INIT = {
         ({"rank_offset": 0}, "init_info.rank_offset"),
         ({"dp_index": -1}, "init_info.dp_index"),
         ({"packed": 1}, "init_info.packed"),
-        ({"packed_buffer_size_bytes": 1}, "init_info.packed_buffer_size_bytes"),
+        ({"packed_buffer_size_bytes": 0}, "init_info.packed_buffer_size_bytes"),
         ({"packed_num_buffers": 0}, "init_info.packed_num_buffers"),
         ({"timeout_s": -1}, "init_info.timeout_s"),
         ({"device_type": "cuda"}, "init_info.device_type: the trainer sends from cuda"),
@@ -120,15 +120,20 @@ def test_engine_parse_init_info_names_the_bad_field(change, field):
 @pytest.mark.parametrize(
     "update_info,field",
     [
-        ({"names": ["a"], "dtypes": ["float32"], "shapes": [[2]]}, "update_info.call_id"),
-        ({"names": ["a"], "dtypes": ["float32"], "shapes": [[2]], "call_id": 1, "x": 0}, r"unknown field\(s\) \['x'\]"),
-        ({"names": ["a"], "dtypes": ["floaty"], "shapes": [[2]], "call_id": 1}, "update_info.dtypes"),
-        ({"names": ["a", "b"], "dtypes": ["float32"], "shapes": [[2]], "call_id": 1}, "must match"),
+        ({"names": ["a"], "dtype_names": ["float32"], "shapes": [[2]]}, "update_info.call_id"),
+        ({"names": ["a"], "dtype_names": ["float32"], "shapes": [[2]], "call_id": 1, "x": 0},
+         r"unknown field\(s\) \['x'\]"),
+        ({"names": ["a"], "dtypes": ["float32"], "shapes": [[2]], "call_id": 1}, r"unknown field\(s\) \['dtypes'\]"),
+        ({"names": ["a"], "dtype_names": ["floaty"], "shapes": [[2]], "call_id": 1}, "update_info.dtype_names"),
+        ({"names": ["a", "b"], "dtype_names": ["float32"], "shapes": [[2]], "call_id": 1}, "must match"),
+        ({"names": [], "dtype_names": [], "shapes": [], "call_id": 1}, "repeats the previous call's tensors"),
     ],
 )
 def test_engine_parse_update_info_names_the_bad_field(update_info, field):
+    engine = NCCLWeightTransferEngine(torch.device("cpu"))
+    engine.info = engine.parse_init_info({**GOOD_ENGINE_INIT, "group_generation": 0})  # as init_transfer keeps it
     with pytest.raises(ValueError, match=field):
-        NCCLWeightTransferEngine(torch.device("cpu")).parse_update_info(update_info)
+        engine.parse_update_info(update_info)
 
 
 # ---------------------------------------------------------------------------------------
@@ -184,7 +189,7 @@ def test_broadcast_reaches_every_worker_bit_exact(packed):
     weights["half"] = torch.randn(7, 5, generator=gen).to(torch.bfloat16)
     weights["empty"] = torch.zeros(0, 4)
     weights["transposed"] = torch.randn(6, 9, generator=gen).t()  # not contiguous
-    plan = plan_packs([t.numel() * t.element_size() for t in weights.values()], 4096)
+    plan = plan_nccl_packs([t.numel() * t.element_size() for t in weights.values()], 4096)
     assert len(plan) > 4 and max(p.nbytes for p in plan) > 4096  # buffers rotate, one tensor gets its own pack
 
     engines = _InProcessEngines(2)
@@ -377,7 +382,7 @@ def test_a_stalled_engine_gives_the_trainer_a_timeout_and_keeps_old_weights(serv
         with pytest.raises((TimeoutError, WeightSyncTransportError)):
             trainer.send_weights(_HookedSource(model, at=5, hook=stall), weight_version="stalled")
     finally:
-        engine_core.resume()
+        engine_core.resume_generation()
     # Whatever the engine makes of the transfer when it wakes, the trainer's abort_weight_update
     # (queued behind it) restores the weights of before.
     deadline = time.monotonic() + 4 * TIMEOUT_S

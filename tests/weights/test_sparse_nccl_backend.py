@@ -144,7 +144,7 @@ def test_wire_puts_the_patch_section_first():
 
 
 def _update_info(nnz, dtype="float32", call_id=1):
-    return {"names": ["a", "w"], "dtypes": ["float32", dtype], "shapes": [[3], [4, 5]], "nnz": [None, nnz],
+    return {"names": ["a", "w"], "dtype_names": ["float32", dtype], "shapes": [[3], [4, 5]], "nnz": [None, nnz],
             "call_id": call_id}
 
 
@@ -158,8 +158,11 @@ def _update_info(nnz, dtype="float32", call_id=1):
     ],
 )
 def test_engine_parse_update_info_names_the_bad_field(update_info, field):
+    engine = SparseNCCLWeightTransferEngine(torch.device("cpu"))
+    engine.info = engine.parse_init_info({"backend": "sparse_nccl", "master_address": "127.0.0.1", "master_port": 1,
+                                          "world_size": 2, "group_generation": 0})  # as init_transfer keeps it
     with pytest.raises(ValueError, match=field):
-        SparseNCCLWeightTransferEngine(torch.device("cpu")).parse_update_info(update_info)
+        engine.parse_update_info(update_info)
 
 
 @pytest.fixture
@@ -168,7 +171,8 @@ def engine_and_sender():
     store = host_store("127.0.0.1", 0, 10.0)
     engine = SparseNCCLWeightTransferEngine(torch.device("cpu"))
     init_info = {"backend": "sparse_nccl", "master_address": "127.0.0.1", "master_port": store.port, "world_size": 2,
-                 "device_type": "cpu", "packed_buffer_size_bytes": 4096, "timeout_s": 10.0}
+                 "device_type": "cpu", "packed": True, "packed_buffer_size_bytes": 4096, "timeout_s": 10.0,
+                 "group_generation": 0}
     joining = threading.Thread(target=lambda: engine.init_transfer(engine.parse_init_info(init_info)))
     joining.start()
     sender = WeightSyncGroup(store, prefix=StoreKeys(0).group, rank=0, world_size=2, device=torch.device("cpu"),
