@@ -239,3 +239,18 @@ def test_our_vllm_shaped_update_info_round_trips_through_our_parser():
                                        "ipc_handles_pickled" if is_pickled else "ipc_handles"])
         with pytest.raises(ValueError, match=CPU_END):
             engine(allow=True).parse_update_info(info)
+
+
+def test_vllms_tensor_list_reads_as_ours_does():
+    # The same tensors announced both ways: vLLM's names / dtype_names / shapes and our names / dtypes / shapes.
+    from weight_transfer import packing
+    from weight_transfer.messages import parse_message
+
+    names, dtypes, shapes = ["a", "b"], [torch.bfloat16, torch.float32], [(4, 8), (3,)]
+    handles = [{UUID: rebuild_args(d, s)} for d, s in zip(dtypes, shapes)]
+    theirs = parse_message(ipc_vllm.update_info(names, dtypes, shapes, handles, pickled=False),
+                           ipc_vllm.VLLMIPCUpdateInfo, "update_info")
+    ours = parse_message(packing.tensor_list(names, dtypes, shapes), packing.TensorList, "update_info")
+    assert (theirs.names, theirs.dtype_names, theirs.shapes) == (ours.names, ours.dtypes, ours.shapes)
+    checked = ipc_vllm.check_handles(theirs, theirs.ipc_handles, packed=False)
+    assert [c[UUID].args[:6] for c in checked] == [h[UUID][:6] for h in handles]
