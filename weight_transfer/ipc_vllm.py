@@ -39,6 +39,7 @@ import binascii
 import math
 import pickle
 import pickletools
+import reprlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
@@ -540,8 +541,14 @@ class VLLMShapeIPCTrainer(TrainerWeightTransferEngine[TrainerInitInfo]):
         return num_calls
 
 
+# A value in an error message: bounded in length and depth whatever a client nested (reprlib stops early).
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict = 3, 6, 16, 4
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong = 60, 60, 40
+
+
 def _shown(value: Any) -> str:
     if isinstance(value, _Name):
         return f"{value.module}.{value.qualname}"
-    text = repr(value)
-    return text if len(text) <= 100 else text[:97] + "..."
+    text = _REPR.repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."

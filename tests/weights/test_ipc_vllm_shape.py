@@ -254,3 +254,15 @@ def test_vllms_tensor_list_reads_as_ours_does():
     assert (theirs.names, theirs.dtype_names, theirs.shapes) == (ours.names, ours.dtypes, ours.shapes)
     checked = ipc_vllm.check_handles(theirs, theirs.ipc_handles, packed=False)
     assert [c[UUID].args[:6] for c in checked] == [h[UUID][:6] for h in handles]
+
+
+def test_an_error_about_a_huge_or_deeply_nested_value_stays_short():
+    nested: list = []
+    for _ in range(50_000):  # deeper than repr could go
+        nested = [nested]
+    for handles in (nested, [list(range(1_000_000))], [{UUID: tuple(range(15))}]):
+        call = {**unpacked_call(), "ipc_handles": handles}
+        del call["ipc_handles_pickled"]
+        with pytest.raises(ValueError, match=r"^update_info.ipc_handles\[0\]") as e:
+            engine().parse_update_info(call)
+        assert len(str(e.value)) < 400
