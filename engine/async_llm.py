@@ -14,7 +14,18 @@ from transformers import AutoTokenizer
 
 from engine import exceptions as engine_exceptions
 from engine.config import EngineConfig
-from engine.control import FaultToleranceStatus, Control, PauseMode, Where, forward_controls, group_only_error
+from engine.control import (
+    Control,
+    FaultToleranceStatus,
+    PauseMode,
+    SleepLevel,
+    Where,
+    fault_tolerance_report,
+    forward_controls,
+    group_only_error,
+    idle_elastic_ep_status,
+    plain_arguments,
+)
 from engine.core_client import EngineCoreClient, EngineUtilityError, check_fault_tolerance_instruction
 from engine.engine_args import create_engine_config
 from engine.exceptions import (
@@ -37,6 +48,7 @@ logger = logging.getLogger(__name__)
 _WEIGHT_OPERATIONS = {
     "init_weight_transfer_engine": "init", "start_weight_update": "start", "update_weights": "update",
     "finish_weight_update": "finish", "shutdown_weight_transfer_engine": "shutdown",
+    "start_draft_weight_update": "start_draft",
 }
 
 
@@ -74,6 +86,7 @@ class AsyncLLM:
         # Tokenization and chat templates run here, off the event loop.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self._streams: dict[str, asyncio.Queue] = {}  # user request id -> its outputs
+        self._ft_outcome: dict[str, str] = {}  # the last failed fault-tolerance instruction's error
         # Engine requests admitted but not yet scheduled (no output yet): id -> prompt tokens.
         self._queued: dict[str, int] = {}
         self._num_queued_tokens = 0  # sum(_queued.values()), kept up to date
@@ -277,7 +290,7 @@ class AsyncLLM:
             raise group_only_error(declared.name)
         operation = _WEIGHT_OPERATIONS.get(declared.name)
         start = time.perf_counter()
-        result = await self._control(declared.name, *args)
+        result = await self._control(declared.name, *plain_arguments(declared, args))
         if operation is not None:
             self.stat_loggers.record_weight_update(operation, time.perf_counter() - start)
         return result
@@ -328,13 +341,16 @@ class AsyncLLM:
             if message.startswith(prefix):
                 raise EngineNotReadyError(message, reason=reason)
 
-    async def pause(self, mode: PauseMode = "abort") -> None:
-        """EngineControls.pause; the frontend ends the streams of what the engine aborted ("abort")
-        or waits until nothing is left to finish ("wait")."""
+    async def pause_generation(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
+        """EngineControls.pause_generation; the frontend ends the streams of what the engine aborted
+        ("abort") or waits until nothing is left to finish ("wait"), then resets the prefix cache
+        (clear_cache; not in keep mode, whose frozen requests hold their blocks)."""
         modes = get_args(PauseMode)
         if mode not in modes:
             raise ValueError(f"mode: unknown pause mode {mode!r}; expected one of {', '.join(modes)}")
-        await self._control("pause", mode)
+        if not isinstance(clear_cache, bool):
+            raise ValueError(f"clear_cache: expected true or false, got {clear_cache!r}")
+        await self._control("pause_generation", mode)
         if mode == "abort":
             # The engine has dropped them; end their streams here (a no-op for any whose abort
             # output already arrived).
@@ -342,12 +358,20 @@ class AsyncLLM:
         elif mode == "wait":
             while await self._control("has_unfinished_requests"):
                 await asyncio.sleep(0.02)
+        if clear_cache and mode != "keep":
+            await self._control("reset_prefix_cache", False, False)
 
-    async def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Aborts requests by user id; their streams end with finish_reason "abort".
+    async def abort_requests(self, request_ids: list[str] | None = None) -> list[str]:
+        """Aborts requests by user id (None or empty: every request in flight); their streams end with
+        finish_reason "abort".
 
         Returns the ids that were running (unknown or finished ids are ignored).
         """
+        if request_ids is not None and (not isinstance(request_ids, list)
+                                        or not all(isinstance(r, str) for r in request_ids)):
+            raise ValueError("request_ids: expected a list of request id strings")
+        if not request_ids:
+            request_ids = list(self._streams)
         parents = self.output_processor.parent_requests
         states = self.output_processor.request_states
         found, engine_ids = [], []
@@ -373,6 +397,22 @@ class AsyncLLM:
             await self.engine_core.abort_requests_async(engine_ids)
         return found
 
+    async def sleep(self, level: SleepLevel = 1, mode: PauseMode = "abort") -> None:
+        """EngineControls.sleep; mode "wait" first lets the requests in flight finish (a "wait" pause,
+        ended once asleep: sleeping refuses new requests by itself)."""
+        if mode == "wait" and not await self.is_paused():
+            await self.pause_generation("wait", clear_cache=False)
+            try:
+                await self._control("sleep", level, mode)
+            finally:
+                await self._control("resume_generation")
+            return
+        await self._control("sleep", level, mode)
+
+    async def is_scaling_elastic_ep(self) -> dict[str, Any]:
+        """Always idle: only a lockstep RolloutGroup changes its size."""
+        return idle_elastic_ep_status()
+
     async def get_dp_state(self) -> dict:
         """A lockstep engine's wave and step counters (engine/dp_core_proc.py); EngineUtilityError on any other engine."""
         return await self._control("get_dp_state")
@@ -396,24 +436,30 @@ class AsyncLLM:
     # ---- fault tolerance ---------------------------------------------------------------------
 
     async def fault_tolerance_status(self) -> FaultToleranceStatus:
-        """{"status": "healthy" | "unhealthy" | "dead", "enabled": enable_fault_tolerance}.
+        """vLLM's status of this one engine (id 0), plus the status itself and whether fault tolerance is on.
 
         Unhealthy: a step failed, its requests ended with finish reason "error", new ones are
         refused the same way until `retry` (or the engine exits after engine_recovery_timeout_sec).
         """
         enabled = self.config.fault_tolerance.enable_fault_tolerance
-        if self.is_dead:
-            return {"status": str(EngineStatus.DEAD), "enabled": enabled}
-        status = await self.engine_core.fault_tolerance_status_async()
-        return {"status": status, "enabled": enabled}
+        status = str(EngineStatus.DEAD) if self.is_dead else await self.engine_core.fault_tolerance_status_async()
+        return fault_tolerance_report([{"id": 0, "status": status, **self._ft_outcome}], enabled)
 
-    async def apply_fault_tolerance_instruction(self, instruction: str) -> None:
+    async def apply_fault_tolerance_instruction(self, instruction: str, params: dict[str, Any] | None = None) -> None:
         """Applies "retry": an unhealthy engine resets and serves again when this returns.
 
-        Unknown instructions raise ValueError; a dead engine raises EngineDeadError.
+        Unknown instructions raise ValueError; a dead engine raises EngineDeadError. A failure is kept
+        for fault_tolerance_status ("ft_error"), as vLLM reports it.
         """
-        if self._dead is not None:
-            check_fault_tolerance_instruction(instruction)
-            raise EngineDeadError(str(self._dead))
-        status = await self.engine_core.apply_fault_tolerance_instruction_async(instruction)
+        check_fault_tolerance_instruction(instruction)
+        if params is not None and not isinstance(params, dict):
+            raise ValueError("params: expected an object")
+        try:
+            if self._dead is not None:
+                raise EngineDeadError(str(self._dead))
+            status = await self.engine_core.apply_fault_tolerance_instruction_async(instruction)
+        except Exception as e:
+            self._ft_outcome = {"ft_error": f"{type(e).__name__}: {e}"}
+            raise
+        self._ft_outcome = {}
         self.engine_status = EngineStatus[status.upper()]

@@ -16,7 +16,6 @@ from typing import (
     Any,
     Callable,
     Literal,
-    NotRequired,
     Protocol,
     TypedDict,
     get_args,
@@ -37,6 +36,12 @@ SleepLevel = Literal[0, 1, 2]
 2: also weights discarded (re-loaded from the checkpoint on wake-up)."""
 
 MEMORY_TAGS = frozenset({"weights", "kv_cache"})
+
+WeightCheckerAction = Literal["checksum", "reset", "compare"]
+"""vLLM's /weight_checker actions (see EngineControls.weight_checker)."""
+
+RPC_METHODS = frozenset({"compute_weight_checksums", "reset_weights", "weights_consistent", "num_parameters"})
+"""The worker methods collective_rpc runs: vLLM's checker's, and read-only reports."""
 
 
 class PauseState(enum.IntEnum):
@@ -97,6 +102,7 @@ class Combine(enum.Enum):
     AGREE = "agree"  # every engine must give the same answer, else WeightVersionMismatchError
     FIRST = "first"  # engine 0's answer
     SUM = "sum"  # the sum of the answers
+    CONCAT = "concat"  # list answers joined in order (ranks: each rank's answer is one item)
     OWN = "own"  # the group has its own rule: a RolloutGroup method of the same name, documented there
 
 
@@ -118,22 +124,34 @@ class Arg:
     ge: float | None = None
     gt: float | None = None
     le: float | None = None
+    http: Any = None  # the type over HTTP when the Python type is wider (a vLLM request object or its dict)
 
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """A control's HTTP route: `verb path`, the arguments as query parameters or a JSON body, the answer."""
+    """A control's HTTP route: `verb path`, the arguments as query parameters or a JSON body, the answer.
+
+    The answer is built in this order: the `constant` keys, the `echo`ed arguments, the result (under
+    `field`, or a dict result's keys), then each `then` control's answer; `answer`, when given, builds
+    it instead from (result, the arguments by wire name)."""
 
     verb: Literal["GET", "POST"] = "POST"
     path: str | None = None  # default "/<name>"
     query: tuple[str, ...] = ()  # arguments sent as query parameters; the others form the JSON body (GET: all)
     field: str | None = None  # the answer's key for the result; None: a dict result is the answer, None is {}
-    then: tuple[str, ...] = ()  # controls called afterwards whose answers join this one's (pause -> is_paused)
-    echo: tuple[str, ...] = ()  # arguments repeated in the answer
-    constant: tuple[tuple[str, Any], ...] = ()  # fixed keys of the answer
+    then: tuple[str, ...] = ()  # controls called afterwards whose answers join this one's
+    echo: tuple[str, ...] = ()  # arguments repeated in the answer (under their wire names)
+    constant: tuple[tuple[str, Any], ...] = ()  # fixed keys of the answer, e.g. vLLM's {"status": "paused"}
+    wire: tuple[tuple[str, str], ...] = ()  # (argument, its name over HTTP) where vLLM's name differs from Python's
+    answer: Callable[[Any, dict[str, Any]], dict[str, Any]] | None = None
+    read: Callable[[dict[str, Any]], Any] | None = None  # a client's result from an `answer`-built answer
+    background: bool = False  # validate, answer at once (vLLM's 202 {"message", "request_id"}), run the call after
     status_code: int = 200
     errors: tuple[int, ...] = ()  # statuses beyond 400/401/503 the route may answer (documented in OpenAPI)
     router: Literal["rl", "fault_tolerance", "fault_injection"] = "rl"  # which flag mounts it
+
+    def wire_name(self, argument: str) -> str:
+        return dict(self.wire).get(argument, argument)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,11 +193,28 @@ def control(combine: Combine, *, where: Where = Where.ENGINE, route: Route | Non
 
 
 class FaultToleranceStatus(TypedDict):
-    """What fault_tolerance_status answers."""
+    """What fault_tolerance_status answers: vLLM's schema, plus our "status" and "enabled"."""
 
-    status: str  # "healthy", "unhealthy" (a step failed; waiting for "retry") or "dead"
-    enabled: bool  # whether the engine runs with fault tolerance (--enable-fault-tolerance)
-    engines: NotRequired[list[dict[str, Any]]]  # a group: every engine's status, in engine order
+    schema_version: int  # 1
+    total_engines: int
+    engines: list[dict[str, Any]]  # {"id": engine index, "status", "fault_info"?, "last_ft_request_id"?, "ft_error"?}
+    status: str  # ours: the worst engine's: "healthy", "unhealthy" (a step failed; waiting for "retry") or "dead"
+    enabled: bool  # ours: whether the engine runs with fault tolerance (--enable-fault-tolerance)
+
+
+def fault_tolerance_report(engines: list[dict[str, Any]], enabled: bool) -> FaultToleranceStatus:
+    """vLLM's /fault_tolerance/status body of these engines' entries, with our worst "status" and "enabled"."""
+    worst = max((e["status"] for e in engines), key=lambda s: _HEALTH_ORDER.get(s, 0))
+    return {"schema_version": 1, "total_engines": len(engines), "engines": engines, "status": worst, "enabled": enabled}
+
+
+_HEALTH_ORDER = {"healthy": 0, "unhealthy": 1, "dead": 2}
+
+
+def idle_elastic_ep_status() -> dict[str, Any]:
+    """vLLM's /is_scaling_elastic_ep answer of an engine that is not scaling."""
+    return {"is_scaling_elastic_ep": False, "phase": "idle", "epoch": None, "error": None,
+            "requested_data_parallel_size": None}
 
 
 _GROUP_ONLY = ("needs a lockstep data-parallel group: launch with --data-parallel-size > 1 and "
@@ -197,15 +232,21 @@ class EngineControls(Protocol):
 
     # ---- pause and resume
 
-    @control(Combine.OWN, route=Route(query=("mode",), then=("is_paused",)), weight_sync=True)
-    async def pause(self, mode: Annotated[PauseMode, Arg("abort, wait or keep (see PauseMode)")] = "abort") -> None:
+    @control(Combine.OWN, route=Route(path="/pause", query=("mode", "clear_cache"), constant=(("status", "paused"),)),
+             weight_sync=True)
+    async def pause_generation(
+        self,
+        mode: Annotated[PauseMode, Arg("abort, wait or keep (see PauseMode)")] = "abort",
+        clear_cache: Annotated[bool, Arg("reset the prefix cache once paused (abort and wait mode)")] = True,
+    ) -> None:
         """Stops generation. "abort" ends in-flight requests (finish reason "abort"), "wait" returns
-        once they finish, "keep" freezes them until resume(). In abort and wait mode new requests are
-        refused (EngineNotReadyError) until resume(); in keep mode they queue. A group pauses all of
-        its engines or, if one fails, none."""
+        once they finish, "keep" freezes them until resume_generation(). In abort and wait mode new
+        requests are refused (EngineNotReadyError) until resume_generation(), and with clear_cache the
+        prefix cache is reset once paused; in keep mode they queue (clear_cache is ignored: the frozen
+        requests' blocks are in use). A group pauses all of its engines or, if one fails, none."""
 
-    @control(Combine.ALL, route=Route(then=("is_paused",)), weight_sync=True)
-    async def resume(self) -> None:
+    @control(Combine.ALL, route=Route(path="/resume", constant=(("status", "resumed"),)), weight_sync=True)
+    async def resume_generation(self) -> None:
         """Ends a pause: frozen requests continue, queued ones start."""
 
     @control(Combine.ANY, route=Route("GET", field="is_paused"))
@@ -214,17 +255,25 @@ class EngineControls(Protocol):
 
     # ---- sleep and wake up
 
-    @control(Combine.OWN, route=Route(query=("level",), then=("is_sleeping",)))
-    async def sleep(self, level: Annotated[SleepLevel, Arg("0, 1 or 2 (see SleepLevel)", ge=0, le=2)] = 1) -> None:
-        """Frees what `level` says (SleepLevel); level >= 1 aborts in-flight requests, and new ones are
-        refused until wake_up(). Sleeping at another level while asleep is a ValueError. A lockstep
-        group pauses ("keep") first, so that no engine sleeps mid-wave."""
+    @control(Combine.OWN, route=Route(query=("level", "mode"), constant=(("status", "sleeping"),), echo=("level",)))
+    async def sleep(
+        self,
+        level: Annotated[SleepLevel, Arg("0, 1 or 2 (see SleepLevel)", ge=0, le=2)] = 1,
+        mode: Annotated[PauseMode, Arg("what happens to in-flight requests first (see PauseMode)")] = "abort",
+    ) -> None:
+        """Frees what `level` says (SleepLevel). In-flight requests are first handled as pause_generation's
+        `mode` says: "abort" ends them, "wait" lets them finish; "keep" freezes them at level 0 (at level
+        >= 1 their KV cache is freed, so they are aborted). New requests are refused until wake_up().
+        Sleeping at another level while asleep is a ValueError. A lockstep group pauses ("keep") first,
+        so that no engine sleeps mid-wave."""
 
-    @control(Combine.OWN, route=Route(query=("tags",), then=("is_sleeping",)))
+    @control(Combine.OWN, route=Route(query=("tags",), answer=lambda awake, args: {
+        "status": "awake" if awake else "sleeping", "tags": args["tags"] or None},
+        read=lambda answer: answer["status"] == "awake"))
     async def wake_up(self, tags: Annotated[list[str] | None, Arg(
-            "what to restore: some of weights, kv_cache, scheduling (WakeUpTag); all when left out")] = None) -> None:
-        """Restores what sleep() freed (only `tags` when given). After sleep(2) the weights are the
-        checkpoint's again, and so is the weight version."""
+            "what to restore: some of weights, kv_cache, scheduling (WakeUpTag); all when left out")] = None) -> bool:
+        """Restores what sleep() freed (only `tags` when given); True once nothing sleeps. After sleep(2)
+        the weights are the checkpoint's again, and so is the weight version."""
 
     @control(Combine.ANY, route=Route("GET", field="is_sleeping"))
     async def is_sleeping(self) -> bool:
@@ -232,53 +281,78 @@ class EngineControls(Protocol):
 
     # ---- requests and caches
 
-    @control(Combine.OWN, where=Where.FRONTEND, route=Route(field="aborted"))
-    async def abort_requests(self, request_ids: Annotated[list[str], Arg(
-            "request ids to abort: a response's `id` (the i-th prompt of a batched completion is `id-i`)")]) -> list[str]:
-        """Aborts requests by id; their streams end with finish reason "abort". Returns the ids that
-        were running (unknown or finished ones are left out), in the given order."""
+    @control(Combine.OWN, where=Where.FRONTEND, route=Route(answer=lambda ids, args: {
+        "status": "aborted", "aborted": len(ids)}, read=lambda answer: answer["aborted"]))
+    async def abort_requests(self, request_ids: Annotated[list[str] | None, Arg(
+            "request ids to abort: a response's `id` (the i-th prompt of a batched completion is `id-i`); "
+            "left out or empty: every request in flight")] = None) -> list[str]:
+        """Aborts requests by id (none given: all in flight); their streams end with finish reason "abort".
+        Returns the ids that were running (unknown or finished ones are left out), in the given order."""
 
-    @control(Combine.OWN, route=Route(field="reset"))
-    async def reset_prefix_cache(self) -> bool:
+    @control(Combine.OWN, route=Route(query=("reset_running_requests", "reset_connector"), field="success",
+                                      wire=(("reset_connector", "reset_external"),)))
+    async def reset_prefix_cache(
+        self,
+        reset_running_requests: Annotated[bool, Arg(
+            "also reset while requests run: they drop their KV and recompute it when next scheduled")] = False,
+        reset_connector: Annotated[bool, Arg(
+            "also reset an external (connector) prefix cache; this engine has none, so nothing more")] = False,
+    ) -> bool:
         """Drops every cached prefix block; False if blocks in use kept it from resetting."""
 
     # ---- weight updates (the lifecycle: init, start, update..., finish or abort, shutdown)
 
-    @control(Combine.OWN, route=Route(errors=(504,)), weight_sync=True)
-    async def init_weight_transfer_engine(self, init_info: Annotated[dict[str, Any], Arg(
-            'backend settings for the engine-side receiver, e.g. {"backend": "local"}; with "model": "draft" '
-            "the receiver of speculative decoding's draft model (default target)")]) -> None:
-        """Sets up a receiver for the backend `init_info` names (weight_transfer/). The rendezvous with the
+    @control(Combine.OWN, route=Route(wire=(("request", "init_info"),),
+                                      constant=(("message", "Weight transfer initialized"),), errors=(504,)),
+             weight_sync=True)
+    async def init_weight_transfer_engine(self, request: Annotated[Any, Arg(
+            'vLLM\'s WeightTransferInitRequest (anything with .init_info), {"init_info": {...}}, or the init_info '
+            'itself: backend settings for the engine-side receiver; with "model": "draft" the receiver of '
+            "speculative decoding's draft model (default target)", http=dict[str, Any])]) -> None:
+        """Sets up a receiver for the weight transfer backend (weight_transfer/). The rendezvous with the
         trainer runs off the engine's loop, bounded by init_info's timeout_s (PeerTimeoutError, HTTP 504,
         naming the peer); its address must be in weight_transfer_allowed_hosts. A group gives engine i's
         workers consecutive ranks from init_info's rank_offset."""
 
-    @control(Combine.ALL, route=Route(errors=(502,)), weight_sync=True)
+    @control(Combine.ALL, route=Route(constant=(("message", "Weight update started"),), errors=(502,)),
+             weight_sync=True)
     async def start_weight_update(self) -> None:
         """Begins an update: from now on no step runs on half-updated weights, until finish or abort."""
 
-    @control(Combine.ALL, route=Route(errors=(502,)), weight_sync=True)
-    async def update_weights(self, update_info: Annotated[dict[str, Any], Arg(
-            'one update for the receiver; for the local backend {"weights": [{"name", "dtype", "shape", '
-            '"data_b64"}]}; with "model": "draft" it lands in the draft model (default target)')]) -> None:
+    @control(Combine.ALL, route=Route(constant=(("message", "Draft weight update started"),), errors=(502,)),
+             weight_sync=True)
+    async def start_draft_weight_update(self) -> None:
+        """Begins an update of speculative decoding's draft model: update_weights calls whose update_info
+        names no "model" land in the draft, until finish or abort. ValueError without a draft model."""
+
+    @control(Combine.ALL, route=Route(wire=(("request", "update_info"),),
+                                      constant=(("message", "Weights updated"),), errors=(502,)),
+             weight_sync=True)
+    async def update_weights(self, request: Annotated[Any, Arg(
+            'vLLM\'s WeightTransferUpdateRequest (anything with .update_info), {"update_info": {...}}, or the '
+            'update_info itself: one update for the receiver; for the local backend {"weights": [{"name", '
+            '"dtype", "shape", "data_b64"}]}; with "model": "draft" it lands in the draft model',
+            http=dict[str, Any])]) -> None:
         """Receives and lands one batch of tensors, each checked (name, dtype, shape, finite) before any
         weight changes. A failed transfer (WeightTransferError, HTTP 502) ends the update and restores
         the weights of before it. A group runs it on every engine at once (collective transports)."""
 
-    @control(Combine.OWN, route=Route(then=("get_weight_version",), errors=(502,)), weight_sync=True)
+    @control(Combine.OWN, route=Route(constant=(("message", "Weight update finished"),), errors=(502,)),
+             weight_sync=True)
     async def finish_weight_update(self, weight_version: Annotated[str | None, Arg(
             "the version the new weights serve under; None keeps the engine's own numbering")] = None) -> None:
         """Ends the update: the prefix cache is reset and the new weights serve under `weight_version`."""
 
     @control(Combine.ANY, route=Route(field="aborted", then=("get_weight_version",)), weight_sync=True)
     async def abort_weight_update(self) -> bool:
-        """Ends an update in progress and restores the weights of before it; False if none was in progress."""
+        """Ends an update in progress and restores the weights of before it; False if none was in progress.
+        (Ours: vLLM has no abort.)"""
 
-    @control(Combine.ALL, weight_sync=True)
+    @control(Combine.ALL, route=Route(constant=(("message", "Weight transfer shut down"),)), weight_sync=True)
     async def shutdown_weight_transfer_engine(self) -> None:
         """Closes the receiver (its connections to the trainer)."""
 
-    @control(Combine.ALL, route=Route(then=("get_weight_version",)))
+    @control(Combine.ALL, route=Route(constant=(("success", True),), echo=("new_version",)))
     async def update_weight_version(self, new_version: Annotated[str, Arg(
             "the version label outputs are tagged with from now on")]) -> None:
         """Relabels the serving weights."""
@@ -298,19 +372,57 @@ class EngineControls(Protocol):
     async def weight_checker(
         self,
         baseline: Annotated[dict[str, Any] | None, Arg(
-            "checksums computed trainer-side (weight_transfer.hf_state_checksums) to compare against; "
-            "None just reports the engine's")] = None,
-        model: Annotated[str, Arg('which model: "target" or "draft"')] = "target",
+            "without action: checksums computed trainer-side (weight_transfer.hf_state_checksums) to compare "
+            "against; with action \"compare\": compute_weight_checksums()' keys and digests")] = None,
+        model: Annotated[str, Arg('which model: "target" or "draft" (without action)')] = "target",
+        action: Annotated[WeightCheckerAction | None, Arg(
+            'vLLM\'s checker: "checksum" (compute_weight_checksums, merged), "reset" (zero every weight), '
+            '"compare" (with baseline); left out: our HF-named report')] = None,
     ) -> dict[str, Any]:
-        """The engine's per-tensor checksums and, with a baseline, whether they match ("match",
-        "mismatches", "missing", "unexpected"); a group adds "consistent" and every engine's report."""
+        """With `action`, vLLM's weight checker: {"checksums": {key: sha256}}, {"status": "reset"}, or
+        {"match", "mismatches"} (keys whose digests differ or that only one side has). Without it, our
+        HF-named report: the engine's per-tensor checksums and, with a baseline, whether they match
+        ("match", "mismatches", "missing", "unexpected"); a group adds "consistent" and every engine's."""
 
-    @control(Combine.SUM, route=Route("GET", field="world_size"), weight_sync=True)
-    async def get_world_size(self) -> int:
-        """Engine workers (one per tensor-parallel rank; a group: of all engines): the receivers a
+    @control(Combine.CONCAT, where=Where.WORKER, route=None)
+    async def compute_weight_checksums(self) -> list[dict[str, str]]:
+        """One {"dp<i>:pp0:pcp0:tp<r>:<parameter name>": sha256 hex of its raw bytes} per worker, in engine
+        then rank order: vLLM's keys and digests (weight_transfer.checksums.engine_weight_digests)."""
+
+    @control(Combine.OWN, route=Route("GET", query=("include_dp",), field="world_size"), weight_sync=True)
+    async def get_world_size(self, include_dp: Annotated[bool, Arg(
+            "count every data-parallel engine's workers (False: one engine's)")] = True) -> int:
+        """Engine workers (one per tensor-parallel rank; with include_dp, of all engines): the receivers a
         weight transport must reach."""
 
+    @control(Combine.CONCAT, route=Route(answer=lambda results, args: {"results": [
+        r if r is None or isinstance(r, (dict, list)) else str(r) for r in results]},
+        read=lambda answer: answer["results"]))
+    async def collective_rpc(
+        self,
+        method: Annotated[str, Arg(f"the worker method to run on every rank, one of {sorted(RPC_METHODS)}")],
+        timeout: Annotated[float | None, Arg("seconds each rank may take (None: no limit)", gt=0)] = None,
+        args: Annotated[tuple, Arg("its positional arguments", http=list[Any])] = (),
+        kwargs: Annotated[dict[str, Any] | None, Arg("its keyword arguments")] = None,
+    ) -> list[Any]:
+        """Every worker's answer to `method`, in engine then rank order. Only the methods in RPC_METHODS
+        run (ValueError naming the method for any other): a name from the network never reaches getattr."""
+
     # ---- elastic expert parallelism (rollout/elastic_ep.py; routes in rollout/server/elastic_routes.py)
+
+    @control(Combine.OWN, where=Where.GROUP, route=None)
+    async def scale_elastic_ep(
+        self,
+        new_data_parallel_size: Annotated[int, Arg("the group's engine count afterwards", ge=1, le=1024)],
+        drain_timeout: Annotated[int, Arg("scale down: seconds the leaving engines' requests may take", gt=0)] = 300,
+    ) -> None:
+        """vLLM's one-call scale: prepare_elastic_ep then commit_elastic_ep. TimeoutError when the drain
+        (or the new engines) take too long."""
+
+    @control(Combine.OWN, where=Where.FRONTEND, route=None)
+    async def is_scaling_elastic_ep(self) -> dict[str, Any]:
+        """{"is_scaling_elastic_ep", "phase": "idle" | "preparing" | "committing", "epoch", "error",
+        "requested_data_parallel_size"} (vLLM's); an engine that is not a lockstep group is always idle."""
 
     @control(Combine.OWN, where=Where.GROUP, route=None)
     async def prepare_elastic_ep(
@@ -319,28 +431,33 @@ class EngineControls(Protocol):
         drain_timeout_s: Annotated[float | None, Arg(
             "scale down: how long the leaving engines' requests may take (None: the group's default)", gt=0)] = None,
     ) -> dict[str, Any]:
-        """Reconfigures the group for the new engine count without routing to added engines yet."""
+        """Reconfigures the group for the new engine count without routing to added engines yet. (Ours.)"""
 
     @control(Combine.OWN, where=Where.GROUP, route=None)
     async def commit_elastic_ep(self, ready_timeout_s: Annotated[float | None, Arg(
             "how long to wait for every engine of the new size (None: the group's default)", gt=0)] = None,
             ) -> dict[str, Any]:
-        """Finalizes the prepared change: every engine of the new size serves, the group resumes."""
+        """Finalizes the prepared change: every engine of the new size serves, the group resumes. (Ours.)"""
 
     # ---- fault tolerance (FaultToleranceConfig)
 
     @control(Combine.OWN, where=Where.FRONTEND,
              route=Route("GET", path="/fault_tolerance/status", router="fault_tolerance"))
     async def fault_tolerance_status(self) -> FaultToleranceStatus:
-        """The engine's status and whether fault tolerance is on; a group: the worst engine's status,
-        with every engine's under "engines"."""
+        """vLLM's status: {"schema_version": 1, "total_engines", "engines": [{"id", "status", ...}]}, plus
+        ours: the worst engine's "status" and whether fault tolerance is "enabled"."""
 
     @control(Combine.ALL, where=Where.FRONTEND, route=Route(
-        path="/fault_tolerance/apply", echo=("instruction",), then=("fault_tolerance_status",), status_code=202,
-        router="fault_tolerance"))
-    async def apply_fault_tolerance_instruction(self, instruction: Annotated[str, Arg(
-            'what the engine should do now: "retry" brings an unhealthy engine back')]) -> None:
-        """Applies the instruction; returns once an unhealthy engine serves again. Unknown ones are a ValueError."""
+        path="/fault_tolerance/apply", background=True, status_code=202, router="fault_tolerance",
+        constant=(("message", "Request accepted; poll /fault_tolerance/status for updates."),)))
+    async def apply_fault_tolerance_instruction(
+        self,
+        instruction: Annotated[str, Arg('what the engine should do now: "retry" brings an unhealthy engine back')],
+        params: Annotated[dict[str, Any] | None, Arg("the instruction's parameters (retry takes none)")] = None,
+    ) -> None:
+        """Applies the instruction; returns once an unhealthy engine serves again. Unknown ones are a
+        ValueError. Over HTTP it runs in the background (vLLM's): 202 at once with a "request_id", and
+        /fault_tolerance/status tells the outcome."""
 
     @control(Combine.ALL, route=Route(path="/fault_tolerance/inject", query=("kind",), constant=(("injected", True),),
                                       status_code=202, router="fault_injection"))
@@ -411,6 +528,29 @@ def _forwarder(declared: Control, asynchronous: bool) -> Callable:
     return method
 
 
+def vllm_weight_checker(action: object, baseline: object, checksums: Callable[[], list[dict[str, str]]],
+                        reset: Callable[[], None]) -> dict[str, Any]:
+    """vLLM's /weight_checker answer for `action` over per-worker checksums (compute_weight_checksums):
+    {"checksums": merged}, {"status": "reset"}, or {"match", "mismatches": keys that differ or that one side lacks}.
+    ValueError for an unknown action or a compare without a baseline; RuntimeError for a key two workers report."""
+    if action not in get_args(WeightCheckerAction):
+        raise ValueError(f"action: expected one of {get_args(WeightCheckerAction)}, got {action!r}")
+    if action == "reset":
+        reset()
+        return {"status": "reset"}
+    if action == "compare" and not isinstance(baseline, dict):
+        raise ValueError("baseline: action='compare' requires a 'baseline' object")
+    merged: dict[str, str] = {}
+    for worker in checksums():
+        if duplicates := merged.keys() & worker.keys():
+            raise RuntimeError(f"Duplicate weight checksum keys: {sorted(duplicates)}")
+        merged.update(worker)
+    if action == "checksum":
+        return {"checksums": merged}
+    mismatches = sorted(k for k in merged.keys() | baseline.keys() if merged.get(k) != baseline.get(k))
+    return {"match": not mismatches, "mismatches": mismatches}
+
+
 def group_only_error(name: str) -> ValueError:
     return ValueError(f"{name}: {_GROUP_ONLY}")
 
@@ -431,6 +571,8 @@ def combine_answers(declared: Control, answers: list, disagree: Callable[[list],
         return answers[0]
     if rule is Combine.SUM:
         return sum(answers)
+    if rule is Combine.CONCAT:  # each engine's answer is already its list
+        return [item for answer in answers for item in answer]
     raise TypeError(f"{declared.name}: its combine rule is the group's own ({rule}); call the group's method")
 
 
@@ -438,20 +580,61 @@ def combine_answers(declared: Control, answers: list, disagree: Callable[[list],
 
 
 def http_request(declared: Control, args: tuple) -> tuple[str, str, dict[str, Any], dict[str, Any] | None]:
-    """(verb, path, query parameters, JSON body or None) of a call of `declared` with `args` (declared order)."""
+    """(verb, path, query parameters, JSON body or None) of a call of `declared` with `args` (declared order),
+    under the route's wire names; a vLLM request object travels as its init_info / update_info."""
     route = declared.route
     if route is None:
         raise ValueError(f"{declared.name}: this control has no HTTP route")
     arguments = dict(zip(declared.arg_names(), args))
+    for name, unwrap in _REQUEST_ARGS.get(declared.name, {}).items():
+        arguments[name] = unwrap(arguments[name])
     in_query = [name for name in arguments if route.verb == "GET" or name in route.query]
-    query = {name: arguments[name] for name in in_query if arguments[name] is not None}
-    body = {name: value for name, value in arguments.items() if name not in in_query}
+    query = {route.wire_name(name): arguments[name] for name in in_query if arguments[name] is not None}
+    body = {route.wire_name(name): value for name, value in arguments.items() if name not in in_query}
     return route.verb, route.path or f"/{declared.name}", query, body or None
 
 
 def http_result(declared: Control, answer: dict[str, Any] | None) -> Any:
     """The control's result from its route's JSON answer (the inverse of rollout/server/rl_routes.py)."""
-    field = declared.route.field
-    if field is not None:
-        return (answer or {})[field]
-    return None if declared.signature.return_annotation is type(None) else answer
+    route = declared.route
+    if route.field is not None:
+        return (answer or {})[route.field]
+    if declared.signature.return_annotation is type(None):
+        return None
+    if route.read is not None:
+        return route.read(answer or {})
+    return answer
+
+
+# ---- vLLM's request objects ------------------------------------------------------------------------
+
+
+def _unwrap(key: str) -> Callable[[Any], dict[str, Any]]:
+    def unwrap(request: Any) -> dict[str, Any]:
+        """The `key` dict of vLLM's request object (anything with that attribute), of {key: {...}}, or the dict itself."""
+        if hasattr(request, key) and not isinstance(request, dict):
+            request = getattr(request, key)
+        elif isinstance(request, dict) and set(request) == {key}:
+            request = request[key]
+        if not isinstance(request, dict):
+            raise ValueError(f"{key}: expected a dict (or a request with .{key}), got {type(request).__name__}")
+        return request
+
+    return unwrap
+
+
+init_info_of = _unwrap("init_info")
+"""init_weight_transfer_engine's `request` as its init_info dict (ValueError naming init_info otherwise)."""
+update_info_of = _unwrap("update_info")
+"""update_weights' `request` as its update_info dict."""
+
+_REQUEST_ARGS = {"init_weight_transfer_engine": {"request": init_info_of}, "update_weights": {"request": update_info_of}}
+
+
+def plain_arguments(declared: Control, args: tuple) -> tuple:
+    """`args` with vLLM's request objects turned into their dicts: what crosses a process boundary."""
+    unwrap = _REQUEST_ARGS.get(declared.name)
+    if not unwrap:
+        return args
+    return tuple(unwrap[name](value) if name in unwrap else value
+                 for name, value in zip(declared.arg_names(), args))

@@ -288,9 +288,9 @@ class DPEngineCoreProc(EngineCoreProc):
     # ---- pause: pending -> consensus -> paused -----------------------------------------------
 
     def _call_utility(self, client_index: int, sender_index: int, call_id: int, method: str, args: list) -> None:
-        if method == "pause" and not self.engine_core.is_sleeping():  # a sleeping group cannot step
+        if method == "pause_generation" and not self.engine_core.is_sleeping():  # a sleeping group cannot step
             try:
-                aborted = self.engine_core.pause(*args)
+                aborted = self.engine_core.pause_generation(*args)
             except Exception as e:
                 self._answer(client_index, UtilityOutput(call_id, failure_message=f"{type(e).__name__}: {e}"))
                 return
@@ -299,10 +299,10 @@ class DPEngineCoreProc(EngineCoreProc):
             self._pending_pause.waiters.append((client_index, call_id))
             self._pending_pause.aborted += aborted
             return  # answered by _complete_pause
-        if method == "resume" and self._pending_pause is not None:
+        if method == "resume_generation" and self._pending_pause is not None:
             pending, self._pending_pause = self._pending_pause, None
             for waiter_client, waiter_call in pending.waiters:
-                failure = "RuntimeError: the pause was cancelled by resume() before every engine reached it"
+                failure = "RuntimeError: the pause was cancelled by resume_generation() before every engine reached it"
                 self._answer(waiter_client, UtilityOutput(waiter_call, failure_message=failure))
         if method in ("get_dp_state", "rebuild_dp_group", "reconfigure_elastic_ep"):
             try:

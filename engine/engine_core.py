@@ -9,7 +9,22 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from engine.config import EngineConfig
-from engine.control import MEMORY_TAGS, Control, PauseMode, SleepLevel, Where, combine_answers, forward_controls
+from engine.control import (
+    MEMORY_TAGS,
+    RPC_METHODS,
+    Combine,
+    Control,
+    PauseMode,
+    SleepLevel,
+    Where,
+    WeightCheckerAction,
+    check_pause_mode,
+    combine_answers,
+    forward_controls,
+    init_info_of,
+    update_info_of,
+    vllm_weight_checker,
+)
 from engine.control_state import ControlState
 from engine.core.request import Request, RequestStatus
 from engine.core.sched_output import SchedulerOutput
@@ -42,11 +57,14 @@ def between_steps(method: F) -> F:
 class EngineCore:
     # Opaque label of the weights being served; stamped on every step's EngineCoreOutputs.
     weight_version: str = "default"
+    _draft_update = False  # start_draft_weight_update: update_info without a "model" lands in the draft
 
     def _forward_control(self, declared: Control, args: tuple) -> Any:
         """A control the workers implement (engine/control.py: Where.WORKER): every rank runs it, and the
         ranks' answers combine by the control's rule."""
         answers = self.executor.rpc(getattr(Worker, declared.name), *args)
+        if declared.combine is Combine.CONCAT:  # one item per rank
+            return list(answers)
         return combine_answers(declared, answers,
                                lambda ranks: RuntimeError(f"{declared.name}: the tensor-parallel ranks disagree: {ranks}"))
 
@@ -230,8 +248,10 @@ class EngineCore:
     # Pause and sleep are independent; self.control derives the scheduler's PauseState from both.
 
     @between_steps
-    def pause(self, mode: PauseMode = "abort") -> list[str]:
+    def pause_generation(self, mode: PauseMode = "abort", clear_cache: bool = True) -> list[str]:
         """Pauses generation; returns the ids of the requests it aborted (abort mode only).
+        clear_cache: in abort mode the prefix cache is reset too (in wait mode the frontend resets it
+        once the requests are done; a keep-mode pause keeps it: its frozen requests hold their blocks).
 
         abort: every in-flight request ends with finish reason abort (its ABORT output is
             emitted by the next step, so every frontend ends it), new requests are refused.
@@ -244,10 +264,12 @@ class EngineCore:
         """
         mode = self.control.pause(mode)  # ValueError for an unknown mode: nothing changed
         aborted = self._abort_all() if mode == "abort" else []
+        if clear_cache and mode == "abort":
+            self.scheduler.reset_prefix_cache()
         self.executor.rpc(Worker.synchronize)
         return aborted
 
-    def resume(self) -> None:
+    def resume_generation(self) -> None:
         """Ends a pause (a no-op when not paused); does not wake a sleeping engine."""
         self.control.resume()
 
@@ -255,18 +277,20 @@ class EngineCore:
         return self.control.paused
 
     @between_steps
-    def sleep(self, level: SleepLevel = 1) -> None:
+    def sleep(self, level: SleepLevel = 1, mode: PauseMode = "abort") -> None:
         """Stops scheduling (level 0), and frees the KV cache and offloads (1) or discards (2) the weights.
 
-        Requests in flight when level >= 1 is asked for are aborted (their KV cache is about to
-        be freed, so a keep-mode pause cannot outlive it); level 0 freezes them like a keep
-        pause. While asleep, new requests get EngineNotReadyError(reason="sleeping"). Sleeping
-        again at the same level is a no-op; at another level, wake up first.
+        Requests in flight are aborted, except with mode "keep" at level 0, which freezes them like a
+        keep pause (at level >= 1 their KV cache is about to be freed, so they are aborted). Mode
+        "wait" is the frontend's: it lets them finish before it calls this. While asleep, new requests
+        get EngineNotReadyError(reason="sleeping"). Sleeping again at the same level is a no-op; at
+        another level, wake up first.
         """
+        mode = check_pause_mode(mode)
         level = self.control.plan_sleep(level)
         if level is None:  # asleep at that level already
             return
-        if level >= 1:
+        if level >= 1 or mode != "keep":
             aborted = self._abort_all()
             if aborted:
                 logger.warning("EngineCore: sleep(%d) aborted %d in-flight requests", level, len(aborted))
@@ -278,7 +302,7 @@ class EngineCore:
         logger.info("EngineCore: asleep at level %d", level)
 
     @between_steps
-    def wake_up(self, tags: list[str] | None = None) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> bool:
         """Wakes the given parts ("weights", "kv_cache", "scheduling"; None: all); awake parts are skipped.
 
         Scheduling needs the memory back: it wakes by itself with the last of weights and
@@ -300,6 +324,7 @@ class EngineCore:
         self.control.record_wake_up(to_wake)
         if to_wake:
             logger.info("EngineCore: woke up %s%s", sorted(to_wake), "" if self.control.sleeping else "; awake")
+        return not self.control.sleeping
 
     def is_sleeping(self) -> bool:
         return self.control.sleeping
@@ -309,7 +334,16 @@ class EngineCore:
         self._pending_outputs += [EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ABORT) for r in finished]
         return [r.request_id for r in finished]
 
-    def reset_prefix_cache(self) -> bool:
+    @between_steps
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Drops the prefix cache; False while running requests hold cached blocks, unless
+        reset_running_requests, which makes them drop their KV and recompute it when next scheduled.
+        reset_connector: there is no external (connector) cache to reset."""
+        for name, flag in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}: expected true or false, got {flag!r}")
+        if reset_running_requests:
+            self.scheduler.recompute_running()
         return self.scheduler.reset_prefix_cache()
 
     def reset_after_fault(self) -> None:
@@ -362,9 +396,10 @@ class EngineCore:
     # holds the busy loop; in-process callers call the plain name, which waits for the answer.
     DEFERRED_UTILITIES = {"init_weight_transfer_engine": "begin_weight_transfer_init"}
 
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Sets the weight transfer backend up (waiting for its rendezvous with the trainer); see begin_weight_transfer_init."""
-        self.begin_weight_transfer_init(init_info).wait()
+    def init_weight_transfer_engine(self, request: Any) -> None:
+        """Sets the weight transfer backend up (waiting for its rendezvous with the trainer); see begin_weight_transfer_init.
+        request: vLLM's WeightTransferInitRequest, {"init_info": ...} or the init_info dict."""
+        self.begin_weight_transfer_init(init_info_of(request)).wait()
 
     def begin_weight_transfer_init(self, init_info: dict[str, Any]) -> DeferredResult:
         """Starts init_weight_transfer_engine: ValueError now for bad init_info or a peer outside
@@ -414,19 +449,33 @@ class EngineCore:
         """Begins an update; until it finishes or aborts nothing is scheduled (requests queue)."""
         self.executor.rpc(Worker.start_weight_update)
         self.control.start_weight_update()
+        self._draft_update = False
+
+    def start_draft_weight_update(self) -> None:
+        """start_weight_update for the draft model: until it ends, an update_info without "model" lands in the draft."""
+        settings = self.config.speculative.settings
+        if settings is None or settings.method != "draft_model":
+            raise ValueError("start_draft_weight_update: this engine has no draft model "
+                             '(speculative_config {"method": "draft_model", ...})')
+        self.start_weight_update()
+        self._draft_update = True
 
     @between_steps
-    def update_weights(self, update_info: dict[str, Any]) -> int:
+    def update_weights(self, request: Any) -> int:
         """Lands one atomic batch of HF-named tensors; returns how many. ValueError: nothing changed.
 
         WeightTransferError: the transfer failed, the update is over and the previous weights
         are back. The prefix cache is reset here too (not only at finish), so that even
         between the calls of one update no request hits a block computed with older weights.
         """
+        update_info = update_info_of(request)
+        if self._draft_update and "model" not in update_info:
+            update_info = {**update_info, "model": "draft"}
         try:
             num_loaded = self.executor.rpc(Worker.update_weights, update_info)[OUTPUT_RANK]
         except WeightTransferError:
             self.control.end_weight_update(consistent=self._weights_consistent())
+            self._draft_update = False
             raise
         finally:
             self.scheduler.reset_prefix_cache()
@@ -451,6 +500,7 @@ class EngineCore:
         """Ends an update in progress and restores the weights it changed; False if none was in progress."""
         aborted = self.executor.rpc(Worker.abort_weight_update)[OUTPUT_RANK]
         self.control.end_weight_update(consistent=self._weights_consistent())
+        self._draft_update = False
         return aborted
 
     @between_steps
@@ -464,6 +514,7 @@ class EngineCore:
         if weight_version is not None:
             _checked_version("weight_version", weight_version)
         self.executor.rpc(Worker.finish_weight_update)
+        self._draft_update = False
         self._serving_checkpoint = False
         self.control.end_weight_update(consistent=True)
         self.scheduler.recompute_running()
@@ -475,6 +526,7 @@ class EngineCore:
     def shutdown_weight_transfer_engine(self) -> None:
         self.executor.rpc(Worker.shutdown_weight_transfer_engine)  # aborts an update in progress
         self.control.end_weight_update(consistent=self._weights_consistent())
+        self._draft_update = False
 
     def _weights_consistent(self) -> bool:
         """Whether every rank's weights are of one version (a failed transfer that could not roll back leaves a mix)."""
@@ -493,13 +545,19 @@ class EngineCore:
             info["ranks"] = per_rank
         return info
 
-    def weight_checker(self, baseline: dict[str, Any] | None = None, model: str = "target") -> dict:
-        """{"weight_version", "checksums": {hf_name: sha256}}, plus match/mismatches/missing/unexpected vs `baseline`,
+    def weight_checker(self, baseline: dict[str, Any] | None = None, model: str = "target",
+                       action: WeightCheckerAction | None = None) -> dict:
+        """With `action`: vLLM's checker over compute_weight_checksums (control.vllm_weight_checker); "reset"
+        zeroes every weight of every rank, as vLLM's does.
+
+        Without: {"weight_version", "checksums": {hf_name: sha256}}, plus match/mismatches/missing/unexpected vs `baseline`,
         of `model` ("target" or "draft", as in weight_info); rank 0's, plus "ranks": [each rank's] with more than one.
 
         baseline: {hf_name: checksum} (every rank is compared with it) or {"ranks": [one such dict
         per rank]}. "match" is true only if every rank matches its baseline.
         """
+        if action is not None:
+            return vllm_weight_checker(action, baseline, self.compute_weight_checksums, self._reset_weights)
         check_rank_baseline(baseline, self.get_world_size())
         per_rank = self.executor.rpc(Worker.weight_checker, baseline, model)
         checked = combine_rank_dicts(per_rank)
@@ -507,9 +565,32 @@ class EngineCore:
             checked["match"] = all(r["match"] for r in per_rank)
         return {"weight_version": self.weight_version, **checked}
 
-    def get_world_size(self) -> int:
-        """The engine's worker count: one per tensor-parallel rank."""
+    @between_steps
+    def _reset_weights(self) -> None:
+        self.executor.rpc(Worker.reset_weights)
+        self.scheduler.reset_prefix_cache()  # its KV came from the weights that are gone
+
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """The engine's worker count: one per tensor-parallel rank (one engine is its own data-parallel world)."""
+        if not isinstance(include_dp, bool):
+            raise ValueError(f"include_dp: expected true or false, got {include_dp!r}")
         return self.config.parallel.tensor_parallel_size
+
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Every rank's answer to the worker method `method` (one of control.RPC_METHODS; ValueError for any other).
+        timeout: accepted for vLLM's signature; the ranks answer from between steps, bounded by the executor."""
+        if method not in RPC_METHODS:
+            raise ValueError(f"method: {method!r} is not a worker method collective_rpc runs; "
+                             f"expected one of {sorted(RPC_METHODS)}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+        if not isinstance(args, (tuple, list)) or not isinstance(kwargs or {}, dict):
+            raise ValueError("args: expected a list (kwargs: an object)")
+        if method == "reset_weights":
+            self._reset_weights()
+            return [None] * self.get_world_size()
+        return self.executor.rpc(getattr(Worker, method), *args, **(kwargs or {}))
 
     def get_worker_pids(self) -> list[int]:
         """Each tensor-parallel rank's worker pid (this process's for the in-process executor; a Ray

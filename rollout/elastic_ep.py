@@ -93,6 +93,8 @@ class ElasticEP:
         self.generation = 0  # of the DP sync group (and the EP group's rendezvous)
         self.pending: ElasticChange | None = None
         self._busy = False  # a prepare or commit is running
+        self._requested: int | None = None  # the size the running (or prepared) change goes to
+        self.last_error: str | None = None  # the last scale()'s failure
         config = create_engine_config(**self.engine_args)
         self.base_seed = config.model.seed
         hf_config = config.model.hf_config_dict()
@@ -104,6 +106,31 @@ class ElasticEP:
             "generation": self.generation,
             "pending": self.pending.describe() if self.pending is not None else None,
         }
+
+    def scaling_status(self) -> dict:
+        """vLLM's /is_scaling_elastic_ep body: "preparing" while a prepare runs or a prepared change waits
+        for its commit, "committing" while the commit runs, else "idle" (or "failed" after a failed
+        scale_elastic_ep, with its "error"); "epoch" is the DP group's generation."""
+        if self._busy:
+            phase = "committing" if self.pending is not None else "preparing"
+        elif self.pending is not None:
+            phase = "preparing"
+        else:
+            phase = "failed" if self.last_error is not None else "idle"
+        requested = self._requested if phase in ("preparing", "committing") else None
+        return {"is_scaling_elastic_ep": phase in ("preparing", "committing"), "phase": phase,
+                "epoch": self.generation, "error": self.last_error if phase == "failed" else None,
+                "requested_data_parallel_size": requested}
+
+    async def scale(self, new_size: int, drain_timeout_s: float) -> None:
+        """vLLM's one-call scale: prepare then commit; a failed commit of a prepared change stays prepared."""
+        self._requested, self.last_error = new_size, None
+        try:
+            await self.prepare(new_size, drain_timeout_s)
+            await self.commit()
+        except Exception as e:
+            self.last_error = f"{type(e).__name__}: {e}"
+            raise
 
     # ---- prepare ------------------------------------------------------------------------------
 
@@ -122,6 +149,7 @@ class ElasticEP:
         if self._busy:
             raise ElasticEPStateError("prepare_elastic_ep: another elastic EP call is running")
         old_size = self.group.num_engines
+        self._requested = new_size
         if new_size == old_size:
             raise ValueError(f"new_data_parallel_size: the group has {old_size} engines already")
         if self.num_experts and new_size > self.num_experts:
@@ -150,7 +178,7 @@ class ElasticEP:
         # The new engines load while the group still serves; it pauses only for the reconfiguration.
         joining = await asyncio.to_thread(self._start_engines, range(old_size, new_size), new_size)
         try:
-            await group.pause("keep")
+            await group.pause_generation("keep")
         except BaseException:
             for engine in joining:
                 engine.shutdown()
@@ -164,7 +192,7 @@ class ElasticEP:
             for engine in joining:
                 engine.shutdown()
             await asyncio.to_thread(group.dp_coordinator.resize, old_size)
-            await group.resume()
+            await group.resume_generation()
             raise
         ep_port = free_port(group.dp_coordinator.host)
         plans = [self._plan(old_size, new_size, r, r, ep_port) for r in range(old_size)]
@@ -199,7 +227,7 @@ class ElasticEP:
         group.num_routable = new_size  # nothing new reaches the leaving engines
         try:
             await self._drain(new_size, drain_timeout_s)
-            await group.pause("keep")
+            await group.pause_generation("keep")
         except BaseException:
             group.num_routable = old_size
             raise
@@ -254,7 +282,7 @@ class ElasticEP:
                 group.set_engines([*group.engines, *change.joining])
             for engine in change.leaving:
                 engine.shutdown()
-            await group.resume()
+            await group.resume_generation()
         finally:
             self._busy = False
         self.pending = None

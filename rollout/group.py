@@ -42,7 +42,20 @@ from typing import Any, get_args
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.async_llm import Admission, AsyncLLM
-from engine.control import FaultToleranceStatus, Combine, Control, PauseMode, SleepLevel, combine_answers, forward_controls
+from engine.control import (
+    Combine,
+    Control,
+    FaultToleranceStatus,
+    PauseMode,
+    SleepLevel,
+    WeightCheckerAction,
+    combine_answers,
+    fault_tolerance_report,
+    forward_controls,
+    idle_elastic_ep_status,
+    init_info_of,
+    vllm_weight_checker,
+)
 from engine.engine_args import create_engine_config
 from engine.exceptions import EngineDeadError
 from engine.metrics.loggers import LoggingStatLogger
@@ -57,7 +70,6 @@ from rollout.dp_coordinator import DPCoordinatorHandle, free_port_pair
 
 logger = logging.getLogger(__name__)
 
-_HEALTH_ORDER = {"healthy": 0, "unhealthy": 1, "dead": 2}
 
 
 class WeightVersionMismatchError(RuntimeError):
@@ -294,8 +306,11 @@ class RolloutGroup:
         req_ids = [request_id] if isinstance(request_id, str) else list(request_id)
         await asyncio.gather(*(self.engines[i].abort(ids) for i, ids in self._by_engine(req_ids).items()))
 
-    async def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Aborts requests by user id on whichever engine serves each; returns those found, in the given order."""
+    async def abort_requests(self, request_ids: list[str] | None = None) -> list[str]:
+        """Aborts requests by user id on whichever engine serves each (None or empty: every request on
+        every engine); returns those found, in the given order."""
+        if not request_ids:
+            return [req_id for ids in await self._fan_out("abort_requests", None) for req_id in ids]
         groups = self._by_engine(request_ids)
         found_lists = await asyncio.gather(*(self.engines[i].abort_requests(ids) for i, ids in groups.items()))
         found = {req_id for ids in found_lists for req_id in ids}
@@ -343,8 +358,8 @@ class RolloutGroup:
 
     # ---- pause, sleep ------------------------------------------------------------------------
 
-    async def pause(self, mode: PauseMode = "abort") -> None:
-        """Pauses every engine in `mode` (AsyncLLM.pause); returns once all are paused.
+    async def pause_generation(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
+        """Pauses every engine in `mode` (AsyncLLM.pause_generation); returns once all are paused.
 
         Two-phase: all engines pause at once (the idle ones are paused at once, a busy one
         in "wait" mode once its requests finish), then each must report itself paused. If an
@@ -354,7 +369,7 @@ class RolloutGroup:
         if mode not in modes:
             raise ValueError(f"mode: unknown pause mode {mode!r}; expected one of {', '.join(modes)}")
         try:
-            await self._fan_out("pause", mode)
+            await self._fan_out("pause_generation", mode, clear_cache)
             states = await self._fan_out("is_paused")
             not_paused = [i for i, paused in enumerate(states) if not paused]
             if not_paused:
@@ -366,33 +381,36 @@ class RolloutGroup:
     async def _resume_quietly(self) -> None:
         """Resumes every live engine, logging (not raising) failures: the caller raises the first error."""
         live = [(i, e) for i, e in enumerate(self.engines) if not e.is_dead]
-        results = await asyncio.gather(*(e.resume() for _, e in live), return_exceptions=True)
+        results = await asyncio.gather(*(e.resume_generation() for _, e in live), return_exceptions=True)
         for (index, _), result in zip(live, results):
             if isinstance(result, BaseException):
                 logger.warning("RolloutGroup: resuming engine %d after a failed pause failed: %s", index, result)
 
-    async def sleep(self, level: SleepLevel = 1) -> None:
+    async def sleep(self, level: SleepLevel = 1, mode: PauseMode = "abort") -> None:
         """Every engine sleeps; lockstep engines are paused ("keep") first, so that none sleeps mid-wave."""
         if self.lockstep and not self._paused_for_sleep and not await self.is_paused():
-            await self.pause("keep")
+            await self.pause_generation("keep")
             self._paused_for_sleep = True
-        await self._fan_out("sleep", level)
+        await self._fan_out("sleep", level, mode)
 
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        """Every engine wakes (the given tags); lockstep engines paused by sleep() resume once fully awake."""
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Every engine wakes (the given tags); lockstep engines paused by sleep() resume once fully awake.
+        True once nothing sleeps on any engine."""
         await self._fan_out("wake_up", tags)
-        if self._paused_for_sleep and not await self.is_sleeping():
+        awake = not await self.is_sleeping()
+        if self._paused_for_sleep and awake:
             self._paused_for_sleep = False
-            await self.resume()
+            await self.resume_generation()
+        return awake
 
     async def dp_states(self) -> list[dict]:
         """Lockstep engines: each engine's wave, its counters (real steps, dummy batches, syncs...), in engine order."""
         return await self._fan_out("get_dp_state")
 
-    async def reset_prefix_cache(self) -> bool:
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """True if every engine reset; the balancer forgets which engine holds which prefix."""
         self.balancer.forget_prefixes()
-        return all(await self._fan_out("reset_prefix_cache"))
+        return all(await self._fan_out("reset_prefix_cache", reset_running_requests, reset_connector))
 
     # ---- elastic expert parallelism (rollout/elastic_ep.py) ----------------------------------------
 
@@ -410,6 +428,16 @@ class RolloutGroup:
         """Finalizes the prepared change: routes to every engine of the new size and resumes (ElasticEP.commit)."""
         return await self._elastic().commit(ready_timeout_s)
 
+    async def scale_elastic_ep(self, new_data_parallel_size: int, drain_timeout: int = 300) -> None:
+        """vLLM's one-call scale (ElasticEP.scale): prepare_elastic_ep, then commit_elastic_ep."""
+        if isinstance(drain_timeout, bool) or not isinstance(drain_timeout, int) or drain_timeout <= 0:
+            raise ValueError("drain_timeout must be a positive integer")
+        await self._elastic().scale(new_data_parallel_size, float(drain_timeout))
+
+    async def is_scaling_elastic_ep(self) -> dict[str, Any]:
+        """vLLM's scaling status (ElasticEP.scaling_status); a group that cannot scale is always idle."""
+        return self.elastic.scaling_status() if self.elastic is not None else idle_elastic_ep_status()
+
     def elastic_ep_state(self) -> dict:
         """{"data_parallel_size", "pending": the prepared change or None, "generation"}."""
         return self._elastic().state()
@@ -417,13 +445,17 @@ class RolloutGroup:
     # ---- weights -----------------------------------------------------------------------------
 
     async def engine_world_sizes(self) -> list[int]:
-        return [int(size) for size in await self._fan_out("get_world_size")]
+        return [int(size) for size in await self._fan_out("get_world_size", False)]
 
-    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+    async def get_world_size(self, include_dp: bool = True) -> int:
+        """Every engine's workers (include_dp), or one engine's (engine 0's: the engines are alike)."""
+        sizes = await self.engine_world_sizes()
+        return sum(sizes) if include_dp else sizes[0]
+
+    async def init_weight_transfer_engine(self, request: Any) -> None:
         """Every engine's receiver; with "rank_offset", engine i's workers start at the offset
-        plus the world sizes of engines 0..i-1."""
-        if not isinstance(init_info, dict):
-            raise ValueError(f"init_info: expected a dict, got {type(init_info).__name__}")
+        plus the world sizes of engines 0..i-1. request: as AsyncLLM's (vLLM's request, {"init_info"}, or init_info)."""
+        init_info = init_info_of(request)
         if "rank_offset" not in init_info:
             await self._fan_out("init_weight_transfer_engine", init_info)
             return
@@ -447,10 +479,18 @@ class RolloutGroup:
             raise self._disagreement("weight_info", versions)
         return {**infos[0], "engines": infos}
 
-    async def weight_checker(self, baseline: dict[str, Any] | None = None, model: str = "target") -> dict[str, Any]:
-        """Engine 0's report with `match` true only if every engine matches the baseline,
+    async def weight_checker(self, baseline: dict[str, Any] | None = None, model: str = "target",
+                             action: WeightCheckerAction | None = None) -> dict[str, Any]:
+        """With `action`, vLLM's checker over every engine's workers (their keys carry the engine's dp index).
+        Without: engine 0's report with `match` true only if every engine matches the baseline,
         `consistent` whether the engines agree on every weight they hold in common (under expert
         parallelism each holds other experts), and every report in `engines`."""
+        if action == "reset":
+            await self._fan_out("weight_checker", None, model, "reset")
+            return {"status": "reset"}
+        if action is not None:
+            per_worker = await self.compute_weight_checksums() if action in ("checksum", "compare") else []
+            return vllm_weight_checker(action, baseline, lambda: per_worker, lambda: None)
         reports = await self._fan_out("weight_checker", baseline, model)
         combined = dict(reports[0])
         if "match" in combined:
@@ -505,10 +545,11 @@ class RolloutGroup:
         return self.metrics.snapshot()
 
     async def fault_tolerance_status(self) -> FaultToleranceStatus:
-        """The worst engine's status ("dead" > "unhealthy" > "healthy"), with each engine's in `engines`."""
-        statuses = await self._fan_out("fault_tolerance_status")
-        worst = max(statuses, key=lambda s: _HEALTH_ORDER.get(s["status"], 0))
-        return {"status": worst["status"], "enabled": worst["enabled"], "engines": statuses}
+        """vLLM's status with one entry per engine ("id": its index), and the worst engine's status
+        ("dead" > "unhealthy" > "healthy")."""
+        reports = await self._fan_out("fault_tolerance_status")
+        entries = [{**report["engines"][0], "id": i} for i, report in enumerate(reports)]
+        return fault_tolerance_report(entries, reports[0]["enabled"])
 
     def shutdown(self) -> None:
         """Stops every engine; waiting callers get EngineDeadError."""

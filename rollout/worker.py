@@ -2,10 +2,10 @@
 
     with RolloutWorker(model=DIR, max_model_len=1024) as worker:
         outputs = worker.generate(prompts, SamplingParams(max_tokens=64))
-        worker.pause("wait")
+        worker.pause_generation("wait")
         worker.init_weight_transfer_engine({"backend": "local"})
         ...
-        worker.resume()
+        worker.resume_generation()
 
 It is an AsyncLLM (the engine in this process with multiprocess=False, or in its own process
 with multiprocess=True: same API), or with data_parallel_size=N a RolloutGroup of N of them,

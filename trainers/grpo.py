@@ -246,12 +246,12 @@ class GRPOTrainer(RolloutTrainer):
         # half-updated weights; on resume they recompute with the new ones.
         paused = self.rank == 0 and rollout.async_mode
         if paused:
-            self.worker.pause("keep")
+            self.worker.pause_generation("keep")
         try:
             self.sync.send_weights(weight_version=version)
         finally:
             if paused:
-                self.worker.resume()
+                self.worker.resume_generation()
         self.weight_version = version
         self._version_index[version] = step
         if self.producer is not None:

@@ -102,3 +102,18 @@ def compare_checksums(
         "missing": missing,
         "unexpected": unexpected,
     }
+
+
+def engine_weight_digests(model: torch.nn.Module, prefix: str = "") -> dict[str, str]:
+    """{prefix + parameter name: sha256 hex of its raw bytes} of an engine's model as it holds it (fused
+    layout, this rank's shards): vLLM's compute_weight_checksums digests, with no dtype or shape mixed in."""
+    out = {}
+    for name, param in model.named_parameters():
+        raw = param.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        out[prefix + name] = hashlib.sha256(raw).hexdigest()
+    return out
+
+
+def worker_checksum_prefix(data_parallel_rank: int, tensor_parallel_rank: int) -> str:
+    """vLLM's per-worker key prefix "dp<i>:pp<j>:pcp<k>:tp<r>:" (no pipeline or context parallelism here: 0)."""
+    return f"dp{data_parallel_rank}:pp0:pcp0:tp{tensor_parallel_rank}:"

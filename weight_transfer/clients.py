@@ -21,7 +21,16 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any, Callable
 
-from engine.control import CONTROLS, Combine, Control, combine_answers, forward_controls, http_request, http_result
+from engine.control import (
+    CONTROLS,
+    Combine,
+    Control,
+    combine_answers,
+    forward_controls,
+    http_request,
+    http_result,
+    plain_arguments,
+)
 
 
 class WeightSyncError(RuntimeError):
@@ -42,18 +51,19 @@ class WeightSyncClient(ABC):
         """Runs `method` on every engine; returns the combined result (see each client)."""
 
     def _forward_control(self, declared: Control, args: tuple) -> Any:
-        return self._call(declared.name, *args)
+        return self._call(declared.name, *plain_arguments(declared, args))
 
     def num_engines(self) -> int:
         return 1
 
     def engine_world_sizes(self) -> list[int]:
         """Workers per engine (tensor x pipeline parallel size), in engine order."""
-        return [int(self._call("get_world_size"))]
+        return [int(self._call("get_world_size", True))]
 
-    def get_world_size(self) -> int:
-        """Engine workers in all, i.e. the receivers a transport must reach."""
-        return sum(self.engine_world_sizes())
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """Engine workers in all (include_dp), i.e. the receivers a transport must reach; else one engine's."""
+        sizes = self.engine_world_sizes()
+        return sum(sizes) if include_dp else sizes[0]
 
     def for_model(self, model: str) -> WeightSyncClient:
         """This client aimed at one of the engine's models ("target" or "draft"): see ModelWeightSyncClient."""
@@ -130,7 +140,7 @@ class RayWeightSyncClient(WeightSyncClient):
 
     def engine_world_sizes(self) -> list[int]:
         if self._world_sizes is None:
-            self._world_sizes = [int(w) for w in self._gather("get_world_size")]
+            self._world_sizes = [int(w) for w in self._gather("get_world_size", True)]
         return list(self._world_sizes)
 
     def _gather(self, method: str, *args: Any, per_engine: list[tuple] | None = None) -> list[Any]:
@@ -210,8 +220,8 @@ class ModelWeightSyncClient(WeightSyncClient):
         for name, value in zip(names, args):
             if name == "model":
                 value = self.model
-            elif name in ("init_info", "update_info"):
-                value = {**value, "model": self.model}
+            elif name == "request" and method in ("init_weight_transfer_engine", "update_weights"):
+                value = {**value, "model": self.model}  # a plain dict here: _forward_control unwrapped it
             aimed.append(value)
         return self.client._call(method, *aimed, *args[len(aimed):])
 

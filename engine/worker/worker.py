@@ -402,6 +402,19 @@ class Worker:
         """This rank's checksums of `model`; a {"ranks": [...]} baseline is read at this rank's entry."""
         return self.weight_updaters.select(model).weight_checker(baseline_for_rank(baseline, self.rank))
 
+    def compute_weight_checksums(self) -> dict[str, str]:
+        """vLLM's per-worker digests of the served model (weight_transfer.checksums.engine_weight_digests)."""
+        from weight_transfer.checksums import engine_weight_digests, worker_checksum_prefix
+
+        prefix = worker_checksum_prefix(self.config.parallel.data_parallel_rank, self.rank)
+        return engine_weight_digests(self.model, prefix)
+
+    def reset_weights(self) -> None:
+        """Zeroes every weight of the served model (vLLM's weight checker "reset": a test that an update lands)."""
+        with torch.no_grad():
+            for param in self.model.parameters():
+                param.zero_()
+
     def weights_consistent(self) -> bool:
         """False while a failed transfer that could not roll back leaves the weights a mix."""
         return self.weight_updaters.consistent

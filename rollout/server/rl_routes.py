@@ -4,15 +4,19 @@ Every control of engine/control.py with a `Route` becomes one route over the eng
 of the same name: its arguments as query parameters or as a JSON body (a typed model, unknown
 fields refused), its answer the result under the route's `field`, joined by the answers of the
 route's `then` controls. Nothing from the network is unpickled; bad values are a 400 naming the
-field, and the engine validates before it changes any state. build_app mounts each router only
+field, and the engine validates before it changes any state. Bodies, query flags and answers are
+vLLM 0.33's (its rl, dev and fault-tolerance routers); our additions only add keys and routes. build_app mounts each router only
 when enabled (--enable-rl-routes, --enable-fault-tolerance, --enable-fault-injection), behind the
 API key like the OpenAI routes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import logging
 import types
+import uuid
 import typing
 from typing import Any, Callable, Literal, Union, get_args, get_origin
 
@@ -20,9 +24,12 @@ import pydantic
 from fastapi import APIRouter, Query
 
 from engine.control import CONTROLS, Control, arg_info
+from engine.core_client import check_fault_tolerance_instruction
 from rollout.server.middleware import StrictJSONRoute
 from rollout.server.openapi import error_responses
 from rollout.server.protocol import RequestModel, ResponseModel
+
+logger = logging.getLogger(__name__)
 
 # The engine answers 503 when it is dead (and, for some calls, asleep or paused).
 _ENGINE_ERRORS = (503,)
@@ -37,17 +44,30 @@ _ROUTERS = {
 Check = Callable[[dict[str, Any]], None]
 
 
+def _check_instruction(arguments: dict[str, Any]) -> None:
+    """The fault-tolerance apply route answers 202 before the call runs: its instruction is checked first."""
+    check_fault_tolerance_instruction(arguments["instruction"])
+
+
+# Checks every server makes; a route that answers before its call runs (background) needs one.
+_CHECKS: dict[str, Check] = {"apply_fault_tolerance_instruction": _check_instruction}
+
+
 def control_routers(engine, *, checks: dict[str, Check] | None = None) -> dict[str, APIRouter]:
-    """{router name: APIRouter} of every declared control's route over `engine` (an AsyncLLM or RolloutGroup)."""
+    """{router name: APIRouter} of every declared control's route over `engine` (an AsyncLLM or RolloutGroup).
+
+    checks: {control name: Check}; a check gets the arguments by their wire (vLLM) names."""
     routers = {name: APIRouter(route_class=StrictJSONRoute, **options) for name, options in _ROUTERS.items()}
+    all_checks = {**_CHECKS, **(checks or {})}
     for declared in CONTROLS.values():
         if declared.route is not None:
-            _add_route(routers[declared.route.router], engine, declared, (checks or {}).get(declared.name))
+            _add_route(routers[declared.route.router], engine, declared, all_checks.get(declared.name))
     return routers
 
 
 def _add_route(router: APIRouter, engine, declared: Control, check: Check | None) -> None:
     route = declared.route
+    wire = route.wire_name
     query = [p for p in declared.params if route.verb == "GET" or p.name in route.query]
     body = [p for p in declared.params if p not in query]
     body_model = _body_model(declared, body) if body else None
@@ -55,18 +75,21 @@ def _add_route(router: APIRouter, engine, declared: Control, check: Check | None
     answer_model = _answer_model(declared)
 
     async def endpoint(**given: Any) -> Any:
-        arguments = {p.name: given[p.name] for p in query}
+        arguments = {wire(p.name): given[p.name] for p in query}  # by wire name (vLLM's), as checks see them
         if body_model is not None:
             sent = given["body"]
-            arguments.update({p.name: getattr(sent, p.name) if sent is not None else p.default for p in body})
+            arguments.update({wire(p.name): getattr(sent, wire(p.name)) if sent is not None else p.default
+                              for p in body})
         if check is not None:
             check(arguments)
-        args = tuple(arguments[name] for name in declared.arg_names())
+        args = tuple(arguments[wire(name)] for name in declared.arg_names())
+        if route.background:
+            return _in_background(engine, declared, args, route)
         return await _answer(engine, declared, args, arguments)
 
     parameters = [
         inspect.Parameter(p.name, inspect.Parameter.KEYWORD_ONLY, annotation=_http_type(p.annotation),
-                          default=_query_default(p))
+                          default=_query_default(p, wire(p.name)))
         for p in query
     ]
     if body_model is not None:
@@ -84,14 +107,36 @@ def _add_route(router: APIRouter, engine, declared: Control, check: Check | None
     )
 
 
+_BACKGROUND: set[asyncio.Task] = set()  # running background calls (a task nobody holds may be collected)
+
+
+def _in_background(engine, declared: Control, args: tuple, route) -> dict[str, Any]:
+    """Starts the call and answers at once with the route's constant keys and a request_id (vLLM's
+    fault-tolerance apply); the call's failure is logged under that id."""
+    request_id = str(uuid.uuid4())
+
+    async def run() -> None:
+        try:
+            await getattr(engine, declared.name)(*args)
+        except Exception as e:
+            logger.error("%s (request %s) failed: %s: %s", declared.name, request_id, type(e).__name__, e)
+
+    task = asyncio.get_running_loop().create_task(run())
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+    return {**dict(route.constant), "request_id": request_id}
+
+
 async def _answer(engine, declared: Control, args: tuple, arguments: dict[str, Any]) -> dict[str, Any]:
-    """The JSON answer: the result under the route's field (or a dict result as is), then each `then`
-    control's answer, the echoed arguments and the constant keys."""
+    """The JSON answer: the route's `answer` of the result, or the constant keys, the echoed arguments,
+    the result under the route's field (or a dict result as is), then each `then` control's answer."""
     route = declared.route
+    result = await getattr(engine, declared.name)(*args)
+    if route.answer is not None:
+        return route.answer(result, arguments)
     answer = dict(route.constant)
     for name in route.echo:
-        answer[name] = arguments[name]
-    result = await getattr(engine, declared.name)(*args)
+        answer[route.wire_name(name)] = arguments[route.wire_name(name)]
     _join(answer, route.field, result)
     for name in route.then:
         _join(answer, CONTROLS[name].route.field, await getattr(engine, name)())
@@ -109,9 +154,13 @@ def _join(answer: dict[str, Any], field: str | None, result: Any) -> None:
 
 
 def _http_type(annotation: Any) -> Any:
-    """The declared type over HTTP. A Literal is sent as its values' type, so that the engine's own
-    check names the choices (as in Python) instead of a generic validation message."""
-    base, _ = arg_info(annotation)
+    """The declared type over HTTP (its Arg's `http` type when given). A Literal is sent as its values'
+    type, so that the engine's own check names the choices (as in Python) instead of a generic message."""
+    base, arg = arg_info(annotation)
+    if arg is not None and arg.http is not None:
+        return arg.http
+    if base is tuple:
+        return list[Any]
     if get_origin(base) is Literal:
         return type(get_args(base)[0])
     if get_origin(base) in (Union, types.UnionType):
@@ -127,14 +176,15 @@ def _constraints(annotation: Any) -> dict[str, Any]:
     return {"description": arg.doc, **{k: v for k, v in bounds.items() if v is not None}}
 
 
-def _query_default(param: inspect.Parameter) -> Any:
+def _query_default(param: inspect.Parameter, name: str) -> Any:
     default = ... if param.default is inspect.Parameter.empty else param.default
-    return Query(default, **_constraints(param.annotation))
+    return Query(default, alias=None if name == param.name else name, **_constraints(param.annotation))
 
 
 def _body_model(declared: Control, params: list[inspect.Parameter]) -> type[RequestModel]:
+    wire = declared.route.wire_name
     fields = {
-        p.name: (_http_type(p.annotation), pydantic.Field(
+        wire(p.name): (_http_type(p.annotation), pydantic.Field(
             ... if p.default is inspect.Parameter.empty else p.default, **_constraints(p.annotation)))
         for p in params
     }
@@ -144,9 +194,14 @@ def _body_model(declared: Control, params: list[inspect.Parameter]) -> type[Requ
 def _answer_model(declared: Control) -> Any:
     """A typed model of the answer's keys, or dict[str, Any] when a dict result is part of it."""
     route = declared.route
+    if route.answer is not None:
+        return dict[str, Any]
+    if route.background:
+        return pydantic.create_model(_camel(declared.name) + "Response", __base__=ResponseModel,
+                                     **{key: (type(value), ...) for key, value in route.constant}, request_id=(str, ...))
     parts = [(route.field, declared)] + [(CONTROLS[name].route.field, CONTROLS[name]) for name in route.then]
     fields: dict[str, Any] = {key: (type(value), ...) for key, value in route.constant}
-    fields.update({name: (_http_type(_param(declared, name).annotation), ...) for name in route.echo})
+    fields.update({route.wire_name(name): (_http_type(_param(declared, name).annotation), ...) for name in route.echo})
     for field, source in parts:
         returns = source.signature.return_annotation
         if field is not None:

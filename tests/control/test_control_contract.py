@@ -177,20 +177,23 @@ def test_engine_core_runs_a_worker_control_on_every_rank_and_combines_by_its_rul
             calls.append((method, args))
             return answers
 
-    declared = dataclasses.replace(CONTROLS["get_world_size"], name="num_parameters", where=Where.WORKER)
+    declared = dataclasses.replace(CONTROLS["get_weight_version"], name="num_parameters", where=Where.WORKER,
+                                   combine=Combine.SUM)
     core = object.__new__(EngineCore)
     core.executor = Executor()
     answers = [10, 10, 12]
-    assert core._forward_control(declared, ()) == 32  # get_world_size's rule: the sum
+    assert core._forward_control(declared, ()) == 32  # the sum
     assert calls == [(Worker.num_parameters, ())]
     answers = ["a", "b", "a"]
     with pytest.raises(RuntimeError, match="ranks disagree"):
         core._forward_control(dataclasses.replace(declared, combine=Combine.AGREE), ())
+    answers = [{"tp0:w": "a"}, {"tp1:w": "b"}]  # CONCAT: one item per rank (compute_weight_checksums)
+    assert core._forward_control(dataclasses.replace(declared, combine=Combine.CONCAT), ()) == answers
 
 
 def test_a_mistyped_or_undeclared_method_fails_the_contract():
     class Mistyped(AsyncLLM):
-        async def resume(self, now: bool = True) -> None: ...
+        async def resume_generation(self, now: bool = True) -> None: ...
 
         async def is_paused(self) -> str: ...
 
@@ -201,13 +204,13 @@ def test_a_mistyped_or_undeclared_method_fails_the_contract():
         problems = contract_problems(CONTROLS, [Layer(Mistyped, True, lambda c: True)])
     finally:
         del NOT_CONTROLS[Mistyped]
-    assert any(p.startswith("Mistyped.resume") and "other arguments" in p for p in problems)
+    assert any(p.startswith("Mistyped.resume_generation") and "other arguments" in p for p in problems)
     assert any(p.startswith("Mistyped.is_paused returns") for p in problems)
     assert "Mistyped.frobnicate is not a declared control" in problems
 
 
 def test_a_class_that_must_implement_a_control_itself_is_refused():
-    with pytest.raises(TypeError, match="must implement the control 'pause' itself"):
+    with pytest.raises(TypeError, match="must implement the control 'pause_generation' itself"):
         @forward_controls(asynchronous=True)
         class Group:
             _OWN_CONTROLS = staticmethod(lambda c: c.combine is Combine.OWN)
@@ -229,7 +232,7 @@ def _routes() -> dict[tuple[str, str], Any]:
 
 
 def _route_args(route) -> tuple[set[str], set[str]]:
-    query = {p.name for p in route.dependant.query_params}
+    query = {p.alias or p.name for p in route.dependant.query_params}  # the name a client sends
     body = set()
     for p in route.dependant.body_params:
         annotation = p.field_info.annotation
@@ -248,9 +251,10 @@ def test_the_routes_are_exactly_the_declared_ones_with_the_declared_arguments():
         declared_routes[key] = declared
         assert key in routes, f"{declared.name}: no route {key}"
         query, body = _route_args(routes[key])
-        want_query = {n for n in declared.arg_names() if declared.route.verb == "GET" or n in declared.route.query}
-        assert query == want_query, declared.name
-        assert body == set(declared.arg_names()) - want_query, declared.name
+        wire = declared.route.wire_name  # vLLM's name of an argument over HTTP (init_info for `request`...)
+        in_query = {n for n in declared.arg_names() if declared.route.verb == "GET" or n in declared.route.query}
+        assert query == {wire(n) for n in in_query}, declared.name
+        assert body == {wire(n) for n in declared.arg_names() if n not in in_query}, declared.name
         assert routes[key].status_code == declared.route.status_code
     assert set(routes) == set(declared_routes)
 

@@ -129,7 +129,7 @@ def test_pause_abort_ends_in_flight_requests_and_refuses_new_ones(core):
     results = Results()
     for _ in range(3):
         results.add(core.step())
-    aborted = core.pause("abort")
+    aborted = core.pause_generation("abort")
     assert sorted(aborted) == sorted(req_ids)
     assert core.is_paused()
     assert core.has_unfinished_requests()  # the ABORT outputs are not out yet
@@ -141,7 +141,7 @@ def test_pause_abort_ends_in_flight_requests_and_refuses_new_ones(core):
     with pytest.raises(EngineNotReadyError) as refused:
         core.add_request(_request("late", PROMPTS[0]))
     assert refused.value.reason == "paused" and refused.value.http_status == 503
-    core.resume()
+    core.resume_generation()
     assert not core.is_paused()
     core.add_request(_request("late", PROMPTS[0]))
     assert len(_run(core).tokens["late"]) == MAX_TOKENS
@@ -152,20 +152,20 @@ def test_pause_wait_lets_in_flight_requests_finish_and_refuses_new_ones(core):
     req_ids = _add_all(core, "w")
     results = Results()
     results.add(core.step())  # some running, and (after pause) none refused that was admitted
-    assert core.pause("wait") == []
+    assert core.pause_generation("wait") == []
     with pytest.raises(EngineNotReadyError, match="paused"):
         core.add_request(_request("late", PROMPTS[0]))
     _run(core, results)  # the frontend's side of wait: poll has_unfinished_requests until False
     assert {r: results.finish_reasons[r] for r in req_ids} == dict.fromkeys(req_ids, FinishReason.LENGTH)
     assert {i: results.tokens[r] for i, r in enumerate(req_ids)} == reference
     assert core.scheduler.pause_state == PauseState.PAUSED_NEW
-    core.resume()
+    core.resume_generation()
     assert core.scheduler.pause_state == PauseState.UNPAUSED
 
 
 def test_pause_wait_also_drains_requests_not_yet_scheduled(core):
     req_ids = _add_all(core, "q")  # all still waiting: never scheduled
-    core.pause("wait")
+    core.pause_generation("wait")
     results = _run(core)
     assert all(len(results.tokens[r]) == MAX_TOKENS for r in req_ids)
 
@@ -178,7 +178,7 @@ def test_pause_keep_freezes_requests_and_resume_continues_them_exactly(core):
     for _ in range(4):
         results.add(core.step())
     tokens_at_pause = {r: list(results.tokens.get(r, [])) for r in req_ids}
-    assert core.pause("keep") == []
+    assert core.pause_generation("keep") == []
     assert not core.has_unfinished_requests()  # frozen: the busy loop would idle
     assert core.scheduler.has_unfinished_requests()
     core.add_request(_request("late", PROMPTS[2]))  # queues
@@ -187,7 +187,7 @@ def test_pause_keep_freezes_requests_and_resume_continues_them_exactly(core):
         assert results.add(core.step()) == 0  # no tokens while paused
     assert {r: results.tokens.get(r, []) for r in req_ids} == tokens_at_pause
     assert core.make_stats().pause_state == PauseState.PAUSED_ALL
-    core.resume()
+    core.resume_generation()
     _run(core, results)
     assert results.tokens["k0"] == reference[0]
     assert results.tokens["k1"] == reference[1]
@@ -197,12 +197,12 @@ def test_pause_keep_freezes_requests_and_resume_continues_them_exactly(core):
 def test_pausing_again_switches_the_mode(core):
     _add_all(core, "s")
     core.step()
-    core.pause("keep")
-    aborted = core.pause("abort")  # frozen requests end too
+    core.pause_generation("keep")
+    aborted = core.pause_generation("abort")  # frozen requests end too
     assert len(aborted) == len(PROMPTS)
     _run(core)
     assert not core.scheduler.has_unfinished_requests()
-    core.resume()
+    core.resume_generation()
 
 
 # ---- sleep / wake-up -------------------------------------------------------------------------
@@ -255,7 +255,7 @@ def test_sleep_releases_memory_and_outputs_after_wake_up_are_unchanged(core, lev
 def test_sleep_aborts_requests_in_flight_even_when_frozen_by_keep(core):
     req_ids = _add_all(core, "f")
     core.step()
-    core.pause("keep")
+    core.pause_generation("keep")
     core.sleep(1)
     results = _run(core)
     assert results.finish_reasons == dict.fromkeys(req_ids, FinishReason.ABORT)
@@ -263,7 +263,7 @@ def test_sleep_aborts_requests_in_flight_even_when_frozen_by_keep(core):
     assert core.scheduler.kv_cache_manager.usage == 0.0
     core.wake_up()
     assert core.is_paused()  # the pause is not sleep's to end
-    core.resume()
+    core.resume_generation()
     core.add_request(_request("after", PROMPTS[0]))
     assert len(_run(core).tokens["after"]) == MAX_TOKENS
 
@@ -333,7 +333,7 @@ def test_bad_arguments_raise_value_error_naming_them_and_change_nothing(core):
 
     before = state()
     with pytest.raises(ValueError, match="mode"):
-        core.pause("pause_everything")
+        core.pause_generation("pause_everything")
     for level in (3, -1, True, "1"):
         with pytest.raises(ValueError, match="level"):
             core.sleep(level)
@@ -413,7 +413,7 @@ def test_mp_pause_modes_over_a_real_engine_process(mp_client):
         client.add_request(r)
     results = Results()
     results.add(client.get_output())
-    aborted = client.call_utility("pause", "abort")
+    aborted = client.call_utility("pause_generation", "abort")
     assert sorted(aborted) == sorted(r.request_id for r in long)
     while len(results.finish_reasons) < len(long):
         results.add(client.get_output())
@@ -422,14 +422,14 @@ def test_mp_pause_modes_over_a_real_engine_process(mp_client):
     refused = next(o for m in _drain(client) for o in m.outputs if o.request_id == "refused")
     assert refused.finish_reason == FinishReason.ERROR and "paused" in refused.stop_reason
     assert client.call_utility("is_paused") is True
-    client.call_utility("resume")
+    client.call_utility("resume_generation")
 
     # keep: frozen (no tokens while paused), new requests queue, then the same greedy tokens.
     client.add_request(_request("k0", PROMPTS[0]))
     results = Results()
     while not results.tokens.get("k0"):
         results.add(client.get_output())
-    client.call_utility("pause", "keep")
+    client.call_utility("pause_generation", "keep")
     before = _drain(client, 0.2)  # what was sent up to the pause, and the pause's stats
     for m in before:
         results.add(m)
@@ -439,23 +439,23 @@ def test_mp_pause_modes_over_a_real_engine_process(mp_client):
     time.sleep(0.5)
     assert sum(len(o.new_token_ids) for m in _drain(client) for o in m.outputs) == 0
     assert results.tokens["k0"] == at_pause
-    client.call_utility("resume")
+    client.call_utility("resume_generation")
     while len(results.finish_reasons) < 2:
         results.add(client.get_output())
     assert results.tokens["k0"] == reference[0] and results.tokens["k1"] == reference[1]
 
     # wait: in-flight requests finish, new ones are refused; the frontend polls.
     client.add_request(_request("w0", PROMPTS[2]))
-    client.call_utility("pause", "wait")
+    client.call_utility("pause_generation", "wait")
     results = Results()
     while "w0" not in results.finish_reasons:
         results.add(client.get_output())
     assert results.tokens["w0"] == reference[2]
     assert client.call_utility("has_unfinished_requests") is False
-    client.call_utility("resume")
+    client.call_utility("resume_generation")
 
     with pytest.raises(EngineUtilityError, match="mode"):
-        client.call_utility("pause", "bogus")
+        client.call_utility("pause_generation", "bogus")
     assert client.call_utility("is_paused") is False
 
 

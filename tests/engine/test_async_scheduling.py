@@ -115,11 +115,11 @@ def test_a_utility_call_sees_no_step_in_flight(tiny_checkpoint):
                                                  SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[1])
     client.get_output()
     assert core._in_flight is not None
-    client.call_utility("pause", "keep")
+    client.call_utility("pause_generation", "keep")
     assert core._in_flight is None  # the step in flight was collected first; its tokens are not lost
     emitted = {o.request_id: len(o.new_token_ids) for o in client.get_output().outputs}
     assert emitted == {"r0": 1, "r1": 1, "r2": 1}
-    client.call_utility("resume")
+    client.call_utility("resume_generation")
     total = dict(emitted)
     while core.has_unfinished_requests():
         for o in client.get_output().outputs:

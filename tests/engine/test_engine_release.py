@@ -175,7 +175,7 @@ def test_async_llm_shutdown_frees_every_storage(tiny_checkpoint):
             async for _ in llm.generate(PROMPTS[0], GREEDY, "after"):
                 pass
         with pytest.raises(EngineDeadError):
-            await llm.pause("keep")
+            await llm.pause_generation("keep")
         frontend = weakref.ref(llm)
         with collector_off():
             del llm

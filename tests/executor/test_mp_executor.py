@@ -169,7 +169,7 @@ def test_killed_worker_makes_the_engine_process_report_dead(tiny_checkpoint):
         stream = llm.generate({"prompt_token_ids": _prompts()[0]}, params, "r0")
         first = await anext(stream)
         assert not first.finished
-        await llm.pause("keep")  # frozen in flight: the engine idles, so only its liveness check can notice
+        await llm.pause_generation("keep")  # frozen in flight: the engine idles, so only its liveness check can notice
         pids = await llm.engine_core.call_utility_async("get_worker_pids")
         assert len(pids) == 2 and os.getpid() not in pids
         os.kill(pids[1], signal.SIGKILL)

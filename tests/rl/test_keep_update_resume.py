@@ -47,7 +47,7 @@ def test_keep_pause_update_resume_switches_versions_at_the_right_token(tiny_chec
 
         task = asyncio.create_task(consume())
         await paused.wait()
-        await llm.pause("keep")
+        await llm.pause_generation("keep")
         await asyncio.sleep(0.2)  # nothing may arrive while frozen
         num_before = len(outputs[-1].outputs[0].token_ids)
         assert not outputs[-1].finished
@@ -57,7 +57,7 @@ def test_keep_pause_update_resume_switches_versions_at_the_right_token(tiny_chec
         await llm.update_weights({"weights": new_weights})  # numpy arrays travel as ZMQ frames
         await llm.finish_weight_update(weight_version="v1")
         assert len(outputs[-1].outputs[0].token_ids) == num_before
-        await llm.resume()
+        await llm.resume_generation()
         await asyncio.wait_for(task, timeout=60)
         return num_before, outputs[-1].outputs[0]
 

@@ -124,7 +124,7 @@ def test_weight_transfer_backend_flag_limits_init_and_abort_restores(launch_serv
                       "init_info.backend", "'local'")
         assert c.post("/init_weight_transfer_engine", json={"init_info": {"backend": "local"}}).status_code == 200
         before = c.post("/weight_checker").json()["checksums"]
-        assert c.post("/abort_weight_update").json() == {"aborted": False, "weight_version": "default"}
+        assert c.post("/abort_weight_update").json() == {"aborted": False, "weight_version": "default"}  # ours
         assert c.post("/start_weight_update").status_code == 200
         new = load_file(f"{tiny_checkpoint('llama', seed=1)}/model.safetensors")
         r = c.post("/update_weights", json={"update_info": make_update_info(new.items(), "b64")})
@@ -150,11 +150,19 @@ def test_weight_transfer_backend_flag_limits_init_and_abort_restores(launch_serv
 def test_fault_tolerance_routes_are_mounted_by_their_own_flag(launch_server, tiny_checkpoint):
     ft = launch_server(tiny_checkpoint("llama"), "--enable-fault-tolerance", "--api-key", API_KEY)
     with httpx.Client(base_url=ft.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
-        assert c.get("/fault_tolerance/status").json() == {"status": "healthy", "enabled": True}
+        # vLLM's schema (schema_version, total_engines, engines[{id, status}]) plus our status and enabled
+        assert c.get("/fault_tolerance/status").json() == {
+            "schema_version": 1, "total_engines": 1, "engines": [{"id": 0, "status": "healthy"}],
+            "status": "healthy", "enabled": True}
         _assert_error(c.post("/fault_tolerance/apply", json={"instruction": "reboot"}), 400, "reboot")
         _assert_error(c.post("/fault_tolerance/apply", json={}), 400, "instruction")
-        r = c.post("/fault_tolerance/apply", json={"instruction": "retry"})  # healthy: nothing to do
-        assert r.status_code == 202 and r.json()["status"] == "healthy"
+        _assert_error(c.post("/fault_tolerance/apply", json={"instruction": "retry", "params": 3}), 400, "params")
+        r = c.post("/fault_tolerance/apply", json={"instruction": "retry", "params": {}})  # healthy: nothing to do
+        assert r.status_code == 202, r.text
+        body = r.json()
+        assert body["message"] == "Request accepted; poll /fault_tolerance/status for updates."
+        assert set(body) == {"message", "request_id"} and len(body["request_id"]) == 36  # a uuid4
+        assert c.get("/fault_tolerance/status").json()["engines"] == [{"id": 0, "status": "healthy"}]
         _assert_error(c.post("/pause"), 404)  # the RL routes have their own flag
         _assert_error(c.get("/fault_tolerance/status", headers={"Authorization": "Bearer nope"}), 401)
     ft.stop()
@@ -172,10 +180,32 @@ def test_api_key_is_enforced_and_nothing_changes(server, http):
 
 def test_world_size_prefix_cache_and_abort_of_unknown_ids(http):
     assert http.get("/get_world_size").json() == {"world_size": 1}
+    assert http.get("/get_world_size", params={"include_dp": "false"}).json() == {"world_size": 1}
     r = http.post("/reset_prefix_cache")
-    assert r.status_code == 200 and isinstance(r.json()["reset"], bool)
+    assert r.status_code == 200 and r.json() == {"success": True}  # vLLM's body; nothing runs, so it resets
+    r = http.post("/reset_prefix_cache", params={"reset_running_requests": "true", "reset_external": "true"})
+    assert r.status_code == 200 and r.json() == {"success": True}
+    _assert_error(http.post("/reset_prefix_cache", params={"reset_running_requests": "maybe"}), 400,
+                  "reset_running_requests")
     r = http.post("/abort_requests", json={"request_ids": ["cmpl-nope"]})
-    assert r.status_code == 200 and r.json() == {"aborted": []}
+    assert r.status_code == 200 and r.json() == {"status": "aborted", "aborted": 0}
+    assert http.post("/abort_requests", json={}).json() == {"status": "aborted", "aborted": 0}  # all: none run
+
+
+def test_control_answers_are_vllms(http):
+    """The bodies vLLM 0.33's routers answer (entrypoints/rl/online, serve/dev/sleep)."""
+    assert http.post("/pause", params={"mode": "wait", "clear_cache": "false"}).json() == {"status": "paused"}
+    assert http.post("/resume").json() == {"status": "resumed"}
+    assert http.post("/sleep", params={"level": 0, "mode": "abort"}).json() == {"status": "sleeping", "level": 0}
+    assert http.post("/wake_up", params={"tags": ["scheduling"]}).json() == {"status": "awake", "tags": ["scheduling"]}
+    assert http.post("/sleep", params={"level": 1}).json() == {"status": "sleeping", "level": 1}
+    assert http.post("/wake_up", params={"tags": "weights"}).json() == {"status": "sleeping", "tags": ["weights"]}
+    assert http.post("/wake_up").json() == {"status": "awake", "tags": None}
+    version = http.get("/weight_info").json()["weight_version"]
+    assert http.post("/update_weight_version", json={"new_version": "v-relabel"}).json() == {
+        "success": True, "new_version": "v-relabel"}
+    assert http.post("/update_weight_version", json={"new_version": version}).json()["success"] is True
+    assert _state(http) == (False, False)
 
 
 # ---------------------------------------------------------------------------- bad input: 400, no state change
@@ -206,7 +236,6 @@ def test_unknown_wake_up_tag_is_400_and_the_engine_stays_asleep(http):
 @pytest.mark.parametrize(
     "path,body,words",
     [
-        ("/abort_requests", {}, ["request_ids"]),
         ("/abort_requests", {"request_ids": "cmpl-1"}, ["request_ids"]),
         ("/init_weight_transfer_engine", {}, ["init_info"]),
         ("/update_weights", {}, ["update_info"]),
@@ -214,6 +243,8 @@ def test_unknown_wake_up_tag_is_400_and_the_engine_stays_asleep(http):
         ("/update_weight_version", {}, ["new_version"]),
         ("/finish_weight_update", {"version": "v1"}, ["version", "unknown field"]),
         ("/weight_checker", {"baseline": {}, "strict": True}, ["strict", "unknown field"]),
+        ("/weight_checker", {"action": "compare"}, ["baseline", "compare"]),
+        ("/weight_checker", {"action": "shred"}, ["action", "shred"]),
         ("/init_weight_transfer_engine", {"init_info": {"backend": "pigeon"}}, ["pigeon"]),
     ],
 )
@@ -293,7 +324,7 @@ def test_sleep_refuses_requests_with_503_and_wake_up_restores_outputs(http):
     # Waking in parts: weights first, then the rest.
     assert http.post("/sleep", params={"level": 1}).status_code == 200
     assert http.post("/wake_up", params={"tags": ["weights"]}).status_code == 200
-    assert http.post("/wake_up", params={"tags": ["kv_cache", "scheduling"]}).json() == {"is_sleeping": False}
+    assert http.post("/wake_up", params={"tags": ["kv_cache", "scheduling"]}).json()["status"] == "awake"
     assert _greedy(http, "A rollout is")["token_ids"] == before
 
 
@@ -301,7 +332,7 @@ def test_abort_requests_ends_a_running_stream(http):
     stream = _Stream(http, "Once upon a time", max_tokens=200)
     assert stream.started.wait(60)
     req_id = stream.chunks[0]["id"]
-    assert http.post("/abort_requests", json={"request_ids": [req_id]}).json() == {"aborted": [req_id]}
+    assert http.post("/abort_requests", json={"request_ids": [req_id]}).json() == {"status": "aborted", "aborted": 1}
     stream.join()
     assert stream.finish_reason == "abort"
 
@@ -345,7 +376,7 @@ def test_weight_update_over_http_matches_hf_with_the_new_weights(http, tiny_chec
     assert _greedy(http, prompt_ids, 12)["token_ids"] == after["token_ids"]
 
     r = http.post("/update_weight_version", json={"new_version": "v1.1"})
-    assert r.status_code == 200 and r.json() == {"weight_version": "v1.1"}
+    assert r.status_code == 200 and r.json() == {"success": True, "new_version": "v1.1"}
     assert http.get("/weight_info").json()["weight_version"] == "v1.1"
 
     local_update_over_http(http, original, "v2")  # back to what the other tests expect
@@ -363,6 +394,32 @@ def test_weight_update_over_http_matches_hf_with_the_new_weights(http, tiny_chec
                 if sample.name.endswith("_count"):
                     counts[sample.labels["operation"]] = sample.value
     assert all(counts.get(op, 0) >= 2 for op in ("init", "start", "update", "finish")), counts
+
+
+def test_vllm_weight_checker_checksum_reset_compare(http, tiny_checkpoint):
+    """vLLM's /weight_checker: keys "dp0:pp0:pcp0:tp0:<parameter>", plain sha256 of the raw bytes."""
+    import hashlib
+
+    original = load_file(os.path.join(tiny_checkpoint("llama"), "model.safetensors"))
+    checksums = http.post("/weight_checker", json={"action": "checksum"}).json()["checksums"]
+    assert checksums and all(k.startswith("dp0:pp0:pcp0:tp0:") and len(v) == 64 for k, v in checksums.items())
+    name = "model.norm.weight"  # a weight the engine holds as the checkpoint has it (not fused, not padded)
+    dtype = getattr(torch, http.get("/weight_info").json()["weights"][name]["dtype"])
+    raw = original[name].to(dtype).contiguous().view(-1).view(torch.uint8).numpy()
+    assert checksums["dp0:pp0:pcp0:tp0:" + name] == hashlib.sha256(raw).hexdigest()
+    assert http.post("/collective_rpc", json={"method": "compute_weight_checksums"}).json() == {"results": [
+        checksums]}
+    assert http.post("/weight_checker", json={"action": "compare", "baseline": checksums}).json() == {
+        "match": True, "mismatches": []}
+    try:
+        assert http.post("/weight_checker", json={"action": "reset"}).json() == {"status": "reset"}
+        compared = http.post("/weight_checker", json={"action": "compare", "baseline": checksums}).json()
+        assert compared["match"] is False and "dp0:pp0:pcp0:tp0:" + name in compared["mismatches"]
+        assert len(compared["mismatches"]) == len(checksums)  # every weight is zero now
+    finally:
+        local_update_over_http(http, original, "default")
+    assert http.post("/weight_checker", json={"action": "compare", "baseline": checksums}).json()["match"] is True
+    _assert_error(http.post("/collective_rpc", json={"method": "__init__"}), 400, "method", "__init__")
 
 
 def test_shutdown_weight_transfer_engine_requires_a_new_init(http):

@@ -62,20 +62,20 @@ def test_controls_and_world_size(worker):
     assert worker.get_world_size() == 1
     assert worker.is_paused() is False and worker.is_sleeping() is False
     with pytest.raises(ValueError, match="mode"):
-        worker.pause("later")
+        worker.pause_generation("later")
     assert worker.is_paused() is False
     assert worker.reset_prefix_cache() in (True, False)
     assert worker.abort_requests(["no-such-request"]) == []
 
 
 def test_pause_refuses_new_requests_until_resume(worker):
-    worker.pause("abort")
+    worker.pause_generation("abort")
     try:
         assert worker.is_paused() is True
         with pytest.raises(EngineNotReadyError):
             worker.generate("hello", GREEDY)
     finally:
-        worker.resume()
+        worker.resume_generation()
     assert worker.is_paused() is False
     assert worker.generate("hello", GREEDY)[0].finished
 
@@ -94,9 +94,9 @@ def test_pause_abort_ends_an_in_flight_request_with_finish_reason_abort(worker):
     thread = threading.Thread(target=lambda: result.setdefault("outs", asyncio.run(consume())))
     thread.start()
     assert started.wait(60)
-    worker.pause("abort")
+    worker.pause_generation("abort")
     thread.join(60)
-    worker.resume()
+    worker.resume_generation()
     outs = result["outs"]
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
     assert sum(len(o.outputs[0].token_ids) for o in outs) < 200
@@ -110,12 +110,12 @@ def test_local_weight_update_with_torch_tensors(worker, tmp_path):
     original = load_file(os.path.join(worker.config.model.model, "model.safetensors"))
     from weight_transfer import hf_state_checksums
 
-    worker.pause("wait")
+    worker.pause_generation("wait")
     worker.init_weight_transfer_engine({"backend": "local"})
     worker.start_weight_update()
     worker.update_weights({"weights": dict(new_weights)})
     worker.finish_weight_update("v1")
-    worker.resume()
+    worker.resume_generation()
     assert worker.get_weight_version() == "v1"
     assert worker.weight_info()["weight_version"] == "v1"
     assert worker.weight_checker(hf_state_checksums(new_weights))["match"] is True
@@ -150,9 +150,9 @@ def test_pause_keep_then_resume_continues_in_flight_requests(worker):
     thread = threading.Thread(target=lambda: result.setdefault("outs", asyncio.run(consume())))
     thread.start()
     assert started.wait(60)
-    worker.pause("keep")
+    worker.pause_generation("keep")
     assert worker.is_paused() is True
-    worker.resume()
+    worker.resume_generation()
     thread.join(60)
     assert not thread.is_alive(), "the request did not continue after resume()"
     outs = result["outs"]
@@ -188,17 +188,17 @@ def test_the_same_api_with_the_engine_in_its_own_process(tiny_checkpoint, tmp_pa
                            disable_log_stats=True) as local:
             assert [o.outputs[0].token_ids for o in local.generate(["The quick brown fox", "A rollout is"], GREEDY)] \
                 == [o.outputs[0].token_ids for o in before]
-        mp.pause("abort")
+        mp.pause_generation("abort")
         with pytest.raises(EngineNotReadyError):
             mp.generate("hello", GREEDY)
-        mp.resume()
+        mp.resume_generation()
         new_weights = load_file(os.path.join(make_tiny_checkpoint(tmp_path / "seed1", "llama", seed=1), "model.safetensors"))
-        mp.pause("wait")
+        mp.pause_generation("wait")
         mp.init_weight_transfer_engine({"backend": "local"})
         mp.start_weight_update()
         mp.update_weights({"weights": dict(new_weights)})  # CPU tensors cross the ZMQ socket as frames
         mp.finish_weight_update("v1")
-        mp.resume()
+        mp.resume_generation()
         assert mp.weight_checker(hf_state_checksums(new_weights))["match"] is True
         out = mp.generate("The quick brown fox", GREEDY)[0].outputs[0]
         assert out.token_ids != before[0].outputs[0].token_ids and out.weight_versions == [("v1", 0, 8)]

@@ -111,9 +111,9 @@ def test_a_pause_with_one_engine_idle_completes_after_one_dummy_batch(lockstep, 
         while (await group.dp_states())[0]["num_real_steps"] - before[0]["num_real_steps"] < SYNC_INTERVAL + 4:
             await asyncio.sleep(0.005)
         mid = await group.dp_states()
-        await group.pause(mode)
+        await group.pause_generation(mode)
         paused = await group.dp_states()
-        await group.resume()
+        await group.resume_generation()
         return before, mid, paused, await asyncio.wait_for(task, 60)
 
     before, mid, paused, reason = lockstep._run(scenario())
@@ -132,9 +132,9 @@ def test_a_pause_with_one_engine_idle_completes_after_one_dummy_batch(lockstep, 
 
 def test_a_pause_of_an_idle_group_runs_one_dummy_batch(lockstep):
     before = _wait_idle(lockstep)
-    lockstep.pause("wait")
+    lockstep.pause_generation("wait")
     after = _states(lockstep)
-    lockstep.resume()
+    lockstep.resume_generation()
     deltas = [_delta(a, b) for b, a in zip(before, after)]
     for d in deltas:
         assert d == {**d, "num_real_steps": 0, "wave": 1, "num_pauses": 1, "num_syncs": d["num_dummy_batches"]}
@@ -166,12 +166,12 @@ def test_randomized_submit_pause_resume_sequences_never_deadlock(lockstep):
             tasks.append(asyncio.create_task(_finish_reason(group.generate(rng.choice(PROMPTS), params, f"r{i}-{j}"))))
         await asyncio.sleep(rng.choice([0, 0, 0.002, 0.01, 0.02]))
         mode = rng.choice(["abort", "wait", "keep"])
-        await group.pause(mode)
+        await group.pause_generation(mode)
         if mode == "keep" and rng.random() < 0.5:  # queued while paused, served after resume
             params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
             tasks.append(asyncio.create_task(_finish_reason(group.generate("a b c", params, f"r{i}-late"))))
             await asyncio.sleep(0.005)
-        await group.resume()
+        await group.resume_generation()
         reasons = await asyncio.gather(*tasks)
         assert set(reasons) <= allowed[mode], (i, mode, reasons)
 
@@ -282,11 +282,11 @@ def test_a_keep_pause_weight_update_resume_cycle_on_a_lockstep_group(lockstep, t
     new = load_file(os.path.join(make_tiny_checkpoint(tmp_path / "seed1", "qwen3_moe", seed=1), "model.safetensors"))
     lockstep.init_weight_transfer_engine({"backend": "local"})
     for weights, version in ((new, "v1"), (original, "v2")):
-        lockstep.pause("keep")
+        lockstep.pause_generation("keep")
         lockstep.start_weight_update()
         lockstep.update_weights({"weights": dict(weights)})
         lockstep.finish_weight_update(version)
-        lockstep.resume()
+        lockstep.resume_generation()
         outputs = lockstep.generate(PROMPTS, GREEDY)
         assert {v for o in outputs for v, _, _ in o.outputs[0].weight_versions} == {version}
         if version == "v1":

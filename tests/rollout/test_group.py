@@ -58,11 +58,11 @@ def test_outputs_match_one_engine_and_both_engines_serve(dp_worker, tiny_checkpo
 def test_controls_fan_out_and_world_size_adds_up(dp_worker):
     assert dp_worker.get_world_size() == 2
     with pytest.raises(ValueError, match="mode"):
-        dp_worker.pause("later")
+        dp_worker.pause_generation("later")
     for mode in ("abort", "wait", "keep"):
-        dp_worker.pause(mode)
+        dp_worker.pause_generation(mode)
         assert _on_loop(dp_worker, _all(dp_worker.engine, "is_paused")) == [True, True]
-        dp_worker.resume()
+        dp_worker.resume_generation()
         assert dp_worker.is_paused() is False
     dp_worker.sleep(1)
     assert _on_loop(dp_worker, _all(dp_worker.engine, "is_sleeping")) == [True, True]
@@ -83,12 +83,12 @@ def test_a_local_weight_update_reaches_every_engine(dp_worker, tmp_path):
     original = load_file(os.path.join(dp_worker.config.model.model, "model.safetensors"))
     new = load_file(os.path.join(make_tiny_checkpoint(tmp_path / "seed1", "llama", seed=1), "model.safetensors"))
     for weights, version in ((new, "v1"), (original, "v2")):
-        dp_worker.pause("wait")
+        dp_worker.pause_generation("wait")
         dp_worker.init_weight_transfer_engine({"backend": "local"})
         dp_worker.start_weight_update()
         dp_worker.update_weights({"weights": dict(weights)})
         dp_worker.finish_weight_update(version)
-        dp_worker.resume()
+        dp_worker.resume_generation()
         assert dp_worker.get_weight_version() == version
         assert dp_worker.weight_info()["weight_version"] == version
         report = dp_worker.weight_checker(hf_state_checksums(weights))
@@ -124,7 +124,7 @@ def test_a_dead_engine_fails_the_pause_resumes_the_other_and_requests_go_around_
 
     _on_loop(dp_worker, stop_engine_1())
     with pytest.raises(EngineDeadError, match="engine 1"):
-        dp_worker.pause("abort")
+        dp_worker.pause_generation("abort")
     # The pause failed as a whole: engine 0 serves again.
     assert _on_loop(dp_worker, group.engines[0].is_paused()) is False
     with pytest.raises(EngineDeadError, match="engine 1 of 2"):

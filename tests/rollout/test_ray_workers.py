@@ -73,12 +73,12 @@ def test_one_client_updates_both_actors_then_a_killed_actor_is_a_clear_error(act
     assert client.num_engines() == 2 and client.engine_world_sizes() == [1, 1] and client.get_world_size() == 2
 
     new = load_file(os.path.join(make_tiny_checkpoint(tmp_path / "seed1", "llama", seed=1), "model.safetensors"))
-    client.pause("wait")
+    client.pause_generation("wait")
     client.init_weight_transfer_engine({"backend": "local"})
     client.start_weight_update()
     client.update_weights(make_update_info(new.items()))
     client.finish_weight_update("v1")
-    client.resume()
+    client.resume_generation()
     assert client.get_weight_version() == "v1"
     baseline = hf_state_checksums(new)
     for actor in actors:  # each engine, not only the first answer
@@ -94,7 +94,7 @@ def test_one_client_updates_both_actors_then_a_killed_actor_is_a_clear_error(act
 
     # A failing call names the actor it failed on (the first failure to arrive).
     with pytest.raises(WeightSyncError, match=r"pause: engine actor [01]: mode"):
-        client.pause("later")
+        client.pause_generation("later")
 
     ray.kill(actors[1])
     # ray.kill is asynchronous: a call that reaches the actor before it is gone still answers.

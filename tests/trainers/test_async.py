@@ -112,9 +112,9 @@ def test_async_generates_while_training_and_never_exceeds_max_staleness(process_
 
         # Every weight sync must happen inside a keep-mode pause.
         events = []
-        pause, resume, send = worker.pause, worker.resume, trainer.sync.send_weights
-        worker.pause = lambda mode="abort": (events.append(("pause", mode)), pause(mode))[1]
-        worker.resume = lambda: (events.append(("resume",)), resume())[1]
+        pause, resume, send = worker.pause_generation, worker.resume_generation, trainer.sync.send_weights
+        worker.pause_generation = lambda mode="abort": (events.append(("pause", mode)), pause(mode))[1]
+        worker.resume_generation = lambda: (events.append(("resume",)), resume())[1]
 
         def send_weights(*args, **kwargs):
             events.append(("send", worker.is_paused()))
