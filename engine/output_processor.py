@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs, WeightVersionSpan
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.stop_strings import find_stop_string, stop_hold_back
 from engine.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
@@ -129,6 +129,8 @@ class RequestState:
         self.prompt_logprobs_sent = False
         self.routed_experts: list[list[list[int]]] | None = [] if params.return_routed_experts else None
         self.num_sent_routed = 0
+        # Rows of the first routed_experts_prompt_start prompt positions still to leave out (they come first).
+        self.num_routed_to_skip = params.routed_experts_prompt_start if params.return_routed_experts else 0
 
     @property
     def finished(self) -> bool:
@@ -186,14 +188,18 @@ class RequestState:
         if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
             self.prompt_logprobs += self._logprob_dicts(out.new_prompt_logprobs, self.params.prompt_logprobs)
         if out.new_routed_experts is not None and self.routed_experts is not None:
-            self.routed_experts += out.new_routed_experts.tolist()
+            rows = out.new_routed_experts
+            if self.num_routed_to_skip:
+                skipped = min(self.num_routed_to_skip, len(rows))
+                rows, self.num_routed_to_skip = rows[skipped:], self.num_routed_to_skip - skipped
+            self.routed_experts += rows.tolist()
 
-    def _weight_spans_from(self, start_tok: int) -> list[tuple[str, int, int]]:
+    def _weight_spans_from(self, start_tok: int) -> list[WeightVersionSpan]:
         """The spans of token_ids[start_tok:], re-based so that they index that slice."""
         starts = self.weight_span_starts
         ends = [start for _, start in starts[1:]] + [len(self.token_ids)]
         return [
-            (version, max(start, start_tok) - start_tok, end - start_tok)
+            WeightVersionSpan(version, max(start, start_tok) - start_tok, end - start_tok)
             for (version, start), end in zip(starts, ends)
             if end > start_tok
         ]

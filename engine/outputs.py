@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 
 @dataclass
@@ -21,6 +21,15 @@ SampleLogprobs = list[dict[int, Logprob]]
 PromptLogprobs = list[dict[int, Logprob] | None]
 
 
+class WeightVersionSpan(NamedTuple):
+    """Output tokens [start, end) were sampled by the weights labelled `version` (vLLM's WeightVersionSpan
+    fields; a tuple too, so `version, start, end = span` works)."""
+
+    version: str
+    start: int
+    end: int
+
+
 @dataclass
 class CompletionOutput:
     """One completion (one of a request's n samples)."""
@@ -34,11 +43,13 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     # (weight_version, start, end) spans over this output's token_ids (end exclusive, indices into
     # token_ids, so a DELTA output covers only its own tokens): which weights produced which tokens.
-    weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
+    weight_versions: list[WeightVersionSpan] = field(default_factory=list)
     # return_routed_experts (MoE routing replay): [position][moe_layer][k] expert ids (best first) of
     # every position of prompt + token_ids that went through the model, in order. The last sampled
     # token never went through it, so a finished output holds len(prompt) + len(token_ids) - 1 rows
-    # (cumulative). A DELTA output holds only the rows new since the last one. None when not asked for.
+    # (cumulative), less the first routed_experts_prompt_start rows. A DELTA output holds only the rows
+    # new since the last one. None when not asked for. (vLLM's is one ndarray on the finished output; the
+    # HTTP server answers in vLLM's form, base64 .npy.)
     routed_experts: list[list[list[int]]] | None = None
 
     def finished(self) -> bool:

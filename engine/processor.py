@@ -82,7 +82,23 @@ class Processor:
             priority=priority,
         )
         validate_request(request, self.max_model_len, self.vocab_size, self.has_routed_experts)
+        self._check_fits(len(token_ids), params)
         return text, request
+
+    def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        """vLLM's length rules after tokenization: a prompt must leave room for one output token (a longer
+        max_tokens is not refused: the output stops at max_model_len, finish_reason "length"), and
+        routed_experts_prompt_start lies within the prompt."""
+        if prompt_len >= self.max_model_len:
+            raise ValueError(
+                f"prompt: the prompt ({prompt_len} tokens) plus at least 1 output token is longer than "
+                f"max_model_len={self.max_model_len}"
+            )
+        if params.routed_experts_prompt_start > prompt_len:
+            raise ValueError(
+                f"routed_experts_prompt_start must be between 0 and the prompt length ({prompt_len}), inclusive, "
+                f"got {params.routed_experts_prompt_start}"
+            )
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) of any PromptType; ValueError naming what is wrong."""

@@ -89,6 +89,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # Mixture-of-experts models only: report the experts each token was routed to (routing replay),
     # see CompletionOutput.routed_experts. Requests asking for it skip the prefix cache.
     return_routed_experts: bool = False
+    # With return_routed_experts: leave out the rows of the first N prompt positions (vLLM's name; a
+    # multi-turn client already has them). At most the prompt's length (checked by the Processor).
+    routed_experts_prompt_start: int = 0
     # Filled in by the frontend from the tokenizer (bad_words -> token id sequences).
     bad_words_token_ids: list[list[int]] | None = None
 
@@ -128,6 +131,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty")
+        if type(self.routed_experts_prompt_start) is not int or self.routed_experts_prompt_start < 0:
+            raise ValueError(
+                f"routed_experts_prompt_start must be a non-negative int, got {self.routed_experts_prompt_start!r}"
+            )
         if not isinstance(self.return_routed_experts, bool):
             raise ValueError(f"return_routed_experts must be a bool, got {self.return_routed_experts!r}")
         if self.temperature < _GREEDY_EPS:
@@ -138,7 +145,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         """Every float finite and every integer within int64, before any range check reads them."""
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
             _check_finite(name, getattr(self, name))
-        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+                     "routed_experts_prompt_start"):
             _check_int64(name, getattr(self, name))
         for name in ("stop_token_ids", "allowed_token_ids"):
             for token_id in getattr(self, name) or ():

@@ -30,3 +30,13 @@ def hf_router_top_k(path: str, sequences: list[list[int]]) -> list[list[list[lis
         top_k = [torch.topk(torch.softmax(l.float(), -1), config.num_experts_per_tok, -1).indices for l in router_logits]
         out.append(torch.stack(top_k, dim=1).tolist())  # [T, L, K]
     return out
+
+
+@torch.no_grad()
+def hf_token_logprobs(path: str, ids: list[int]) -> tuple[list[float], list[float]]:
+    """HF's forward over `ids` (float32, eager): per position 1.. (logprob of ids[i] given ids[:i], the
+    largest logprob there)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)  # [T, vocab]
+    chosen = logprobs[:-1].gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+    return chosen.tolist(), logprobs[:-1].max(dim=1).values.tolist()

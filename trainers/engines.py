@@ -63,7 +63,8 @@ def completion_body(model_name: str, prompt: Any, params: SamplingParams) -> dic
     for name in _LOCAL_FIELDS:
         fields.pop(name, None)
     # The legacy-completions default of max_tokens is 16 as in SamplingParams, so omission agrees.
-    return {**fields, "model": model_name, "prompt": prompt, "return_token_ids": True, "stream": False}
+    return {**fields, "model": model_name, "prompt": prompt, "return_token_ids": True, "return_weight_versions": True,
+            "stream": False}
 
 
 def request_output(body: dict, prompt: Any):
@@ -91,7 +92,7 @@ def request_output(body: dict, prompt: Any):
         outputs.append(CompletionOutput(
             index=c["index"], text=c["text"], token_ids=token_ids, cumulative_logprob=cumulative, logprobs=logprobs,
             finish_reason=c.get("finish_reason"), stop_reason=c.get("stop_reason"),
-            weight_versions=[tuple(span) for span in c.get("weight_versions") or []],
+            weight_versions=[(s["version"], s["start"], s["end"]) for s in c.get("weight_versions") or []],
         ))
     return RequestOutput(
         request_id=body["id"], prompt=prompt if isinstance(prompt, str) else None,

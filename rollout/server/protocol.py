@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -101,11 +102,19 @@ class SamplingRequest(RequestModel):
     priority: int = 0
     return_token_ids: bool = False
     """Add prompt_token_ids and each choice's token_ids to the response (token in, token out)."""
+    return_weight_versions: bool = False
+    """Add each choice's weight_versions: [{"version", "start", "end"}] half-open spans over its output tokens,
+    one per run of tokens sampled by one weight version (a stream sends them once, in each choice's last chunk)."""
     return_routed_experts: bool = False
-    """MoE models: add each choice's routed_experts, [position][moe_layer][k] expert ids of prompt + output[:-1]
-    (routing replay; a stream sends each chunk's new positions, which concatenate to the whole)."""
+    """MoE models: add each choice's routed_experts (a server started with --enable-return-routed-experts adds
+    them to every request), as vLLM returns them: base64 of a .npy array [position, layer, k] over prompt +
+    output[:-1], uint8 (uint16 past 256 experts), in the finished choice only."""
+    routed_experts_prompt_start: int = Field(default=0, ge=0)
+    """With routed experts: leave out the rows of the first N prompt tokens (a multi-turn client has them already)."""
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """SamplingParams from the shared fields; SamplingParams raises ValueError naming a bad field."""
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
@@ -126,7 +135,7 @@ class SamplingRequest(RequestModel):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
@@ -139,6 +148,7 @@ class SamplingRequest(RequestModel):
             ),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             return_routed_experts=self.return_routed_experts,
+            routed_experts_prompt_start=self.routed_experts_prompt_start,
         )
 
     @property
@@ -170,9 +180,12 @@ class CompletionRequest(SamplingRequest):
     """Body of POST /v1/completions."""
 
     prompt: CompletionPrompt
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for legacy completions
+    max_tokens: int | None = Field(default=16, ge=0)
+    """Tokens to generate (OpenAI's default 16, also for null, as vLLM); 0 only with echo (the prompt alone)."""
     logprobs: NumLogprobs | None = None
     echo: bool = False
+    """Return the prompt before the completion, and with logprobs the prompt tokens' logprobs first (the
+    first prompt token's null): what log-likelihood scoring (lm-evaluation-harness) reads."""
     suffix: str | None = None
 
     def prompts(self) -> list[str | dict[str, Any]]:
@@ -186,12 +199,21 @@ class CompletionRequest(SamplingRequest):
             return list(p)
         return [{"prompt_token_ids": list(ids)} for ids in p]
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt alone (one token is still generated and dropped, as in vLLM)."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self, max_model_len: int, prompt_len: int | None = None) -> SamplingParams:
-        if self.echo:
-            raise ValueError("echo: not supported; the response holds the completion only")
         if self.suffix is not None:
             raise ValueError("suffix: not supported")
-        return self._sampling_params(_max_tokens(self.max_tokens, max_model_len, prompt_len), self.logprobs)
+        requested = 16 if self.max_tokens is None else self.max_tokens
+        if requested == 0 and not self.echo:
+            raise ValueError("max_tokens: must be at least 1 (0 only with echo, for the prompt alone)")
+        _check_max_tokens("max_tokens", requested, max_model_len)
+        # echo reports the prompt's logprobs too: as many top logprobs per position as asked for the output.
+        prompt_logprobs = self.logprobs if self.echo and self.prompt_logprobs is None else None
+        return self._sampling_params(max(requested, 1), self.logprobs, prompt_logprobs)
 
 
 class TextContentPart(RequestModel):
@@ -231,8 +253,25 @@ class ChatCompletionRequest(SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs set to true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.max_completion_tokens is not None:
+            _check_max_tokens("max_completion_tokens", self.max_completion_tokens, max_model_len)
+            max_tokens = self.max_completion_tokens
+        else:
+            if self.max_tokens is not None:
+                _check_max_tokens("max_tokens", self.max_tokens, max_model_len)
+            max_tokens = self.max_tokens
         return self._sampling_params(_max_tokens(max_tokens, max_model_len, prompt_len), logprobs)
+
+
+def _check_max_tokens(field: str, max_tokens: int, max_model_len: int) -> None:
+    """vLLM's one refusal of an output length: more than the context holds (vLLM's message). A prompt that
+    leaves fewer than max_tokens positions is not refused: its output stops at max_model_len
+    (finish_reason "length"), as vLLM 0.33 clamps max_tokens to max_model_len - prompt length."""
+    if max_tokens > max_model_len:
+        raise ValueError(
+            f"{field}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens."
+        )
 
 
 def _max_tokens(requested: int | None, max_model_len: int, prompt_len: int | None) -> int | None:
@@ -250,6 +289,8 @@ class TokenizeRequest(RequestModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    """Add token_strs: each token as the vocabulary spells it (convert_ids_to_tokens, as vLLM)."""
 
 
 class DetokenizeRequest(RequestModel):
@@ -266,6 +307,14 @@ class UsageInfo(ResponseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+
+
+class WeightVersionSpan(ResponseModel):
+    """Output tokens [start, end) were sampled by the weights labelled `version` (vLLM's shape)."""
+
+    version: str
+    start: int
+    end: int
 
 
 class CompletionLogprobs(ResponseModel):
@@ -296,11 +345,12 @@ class CompletionChoice(ResponseModel):
     # return_token_ids (vLLM's shape: per choice, since a batch has several prompts).
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
-    # With return_token_ids: (weight_version, start, end) spans over token_ids (end exclusive).
-    weight_versions: list[tuple[str, int, int]] | None = None
+    # return_weight_versions: which weights sampled which output tokens (a stream: in the last chunk only).
+    weight_versions: list[WeightVersionSpan] | None = None
     prompt_logprobs: PromptLogprobsJSON | None = None
-    # return_routed_experts: [position][moe_layer][k] over prompt + token_ids[:-1] (CompletionOutput.routed_experts).
-    routed_experts: list[list[list[int]]] | None = None
+    # Routed experts (return_routed_experts or --enable-return-routed-experts): base64 .npy [position, layer, k]
+    # over prompt[routed_experts_prompt_start:] + token_ids[:-1], in the finished choice (vLLM's form).
+    routed_experts: str | None = None
 
 
 class CompletionResponse(ResponseModel):
@@ -338,10 +388,11 @@ class ChatChoice(ResponseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
-    # With return_token_ids: (weight_version, start, end) spans over token_ids (end exclusive).
-    weight_versions: list[tuple[str, int, int]] | None = None
-    # return_routed_experts: [position][moe_layer][k] over prompt + token_ids[:-1] (CompletionOutput.routed_experts).
-    routed_experts: list[list[list[int]]] | None = None
+    # return_weight_versions: which weights sampled which output tokens (a stream: in the last chunk only).
+    weight_versions: list[WeightVersionSpan] | None = None
+    # Routed experts (return_routed_experts or --enable-return-routed-experts): base64 .npy [position, layer, k]
+    # over prompt[routed_experts_prompt_start:] + token_ids[:-1], in the finished choice (vLLM's form).
+    routed_experts: str | None = None
 
 
 class ChatCompletionResponse(ResponseModel):
@@ -367,10 +418,11 @@ class ChatStreamChoice(ResponseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
-    # With return_token_ids: (weight_version, start, end) spans over token_ids (end exclusive).
-    weight_versions: list[tuple[str, int, int]] | None = None
-    # return_routed_experts: [position][moe_layer][k] over prompt + token_ids[:-1] (CompletionOutput.routed_experts).
-    routed_experts: list[list[list[int]]] | None = None
+    # return_weight_versions: which weights sampled which output tokens (a stream: in the last chunk only).
+    weight_versions: list[WeightVersionSpan] | None = None
+    # Routed experts (return_routed_experts or --enable-return-routed-experts): base64 .npy [position, layer, k]
+    # over prompt[routed_experts_prompt_start:] + token_ids[:-1], in the finished choice (vLLM's form).
+    routed_experts: str | None = None
 
 
 class ChatCompletionChunk(ResponseModel):
@@ -383,13 +435,33 @@ class ChatCompletionChunk(ResponseModel):
     prompt_token_ids: list[int] | None = None
 
 
+class ModelPermission(ResponseModel):
+    """vLLM's (and OpenAI's old) model permission object: what a client may do with the model."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(ResponseModel):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "rollout-toolkit"
     root: str | None = None
+    parent: str | None = None
+    """The base model of an adapter; None for a base model (this server serves one, no adapters)."""
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(ResponseModel):
@@ -401,6 +473,14 @@ class TokenizeResponse(ResponseModel):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = None
+
+
+class TokenizerInfoResponse(BaseModel):
+    """GET /tokenizer_info: the tokenizer's configuration (tokenizer_config.json's fields, less file paths)."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
 
 
 class DetokenizeResponse(ResponseModel):

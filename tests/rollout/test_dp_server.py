@@ -38,7 +38,7 @@ def http(server):
 
 def _completion(http, prompt: str, max_tokens: int = MAX_TOKENS, **sampling) -> dict:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "return_token_ids": True,
-            **sampling}
+            "return_weight_versions": True, **sampling}
     r = http.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
@@ -176,7 +176,7 @@ def test_a_weight_update_over_http_reaches_both_engines(http, tiny_checkpoint, t
         report = http.post("/weight_checker", json={"baseline": hf_state_checksums(weights)}).json()
         assert report["match"] is True and [e["match"] for e in report["engines"]] == [True, True]
         outputs = _burst(http, [{"prompt": p, "temperature": 0.0} for p in PROMPTS[:4]])
-        assert {tuple(v) for c in outputs for v in c["weight_versions"]} == {(version, 0, MAX_TOKENS)}
+        assert {tuple(v.values()) for c in outputs for v in c["weight_versions"]} == {(version, 0, MAX_TOKENS)}
 
 
 def test_an_nccl_sync_over_gloo_gives_each_engine_its_own_rank(http, server, tiny_checkpoint):

@@ -325,10 +325,10 @@ def test_waking_from_level_2_without_an_update_serves_the_checkpoint_under_its_o
     assert client.post("/sleep", params={"level": 2}).status_code == 200
     assert client.post("/wake_up").status_code == 200
     assert client.get("/get_weight_version").json() == {"weight_version": "default"}
-    r = client.post("/v1/completions", json={**GREEDY, "return_token_ids": True})
+    r = client.post("/v1/completions", json={**GREEDY, "return_weight_versions": True})
     choice = r.json()["choices"][0]
     assert choice["text"] == baseline["text"]
-    assert [span[0] for span in choice["weight_versions"]] == ["default"]
+    assert [span["version"] for span in choice["weight_versions"]] == ["default"]
 
 
 # ---------------------------------------------------------------------------- memory, last

@@ -241,7 +241,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
     ({"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ({"prompt": "x", "logit_bias": {"abc": 1.0}}, 400, "logit_bias"),
-    ({"prompt": "x", "echo": True}, 400, "echo"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo (tests/server/test_echo.py)
+    ({"prompt": "x", "max_tokens": 257}, 400, "max_tokens"),  # more than max_model_len
+    ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": [3] * 300}, 400, "prompt"),  # over max_model_len
     ({"prompt": "word " * 400}, 400, "prompt"),
