@@ -4,13 +4,17 @@
     POST /elastic_ep/commit   {"ready_timeout_s"?} (or no body)                 -> the same, once the new size serves
     GET  /elastic_ep                                          -> the same
 
-A server whose engine is not a lockstep RolloutGroup answers 400; a prepare while another change
+    POST /scale_elastic_ep, POST /is_scaling_elastic_ep           vLLM 0.33's (vllm_elastic_router)
+
+A server whose engine is not a lockstep RolloutGroup answers 400 (is_scaling_elastic_ep: idle); a prepare while another change
 is prepared, or a commit with none, 409; a drain or ready timeout, 504 (rollout/elastic_ep.py).
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException
+import logging
+
+from fastapi import APIRouter, HTTPException, Request
 from pydantic import Field
 
 from engine.control import group_only_error
@@ -19,6 +23,8 @@ from rollout.server.middleware import StrictJSONRoute
 from rollout.server.openapi import error_responses
 from rollout.server.protocol import RequestModel
 from weight_transfer.base import MAX_TIMEOUT_S  # the longest wait any body may ask for (a day)
+
+logger = logging.getLogger(__name__)
 
 
 class PrepareElasticEPRequest(RequestModel):
@@ -64,5 +70,50 @@ def elastic_router(engine) -> APIRouter:
     @router.get("")
     async def state() -> dict:
         return group().elastic_ep_state()
+
+    return router
+
+
+def vllm_elastic_router(engine) -> APIRouter:
+    """vLLM 0.33's elastic EP routes (its serve/elastic_ep router): POST /scale_elastic_ep
+    {"new_data_parallel_size", "drain_timeout"?: 120} -> {"message"}, 400 for bad input, 408 for a drain
+    timeout, 500 otherwise; POST /is_scaling_elastic_ep -> {"is_scaling_elastic_ep", "phase", "epoch",
+    "error", "requested_data_parallel_size"}. Both run the declared controls (scale_elastic_ep is our
+    prepare then commit)."""
+    router = APIRouter(tags=["elastic_ep"], route_class=StrictJSONRoute, responses=error_responses(400, 503))
+
+    @router.post("/scale_elastic_ep")
+    async def scale_elastic_ep(request: Request) -> dict:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise HTTPException(400, "Invalid JSON format") from None
+        if not isinstance(body, dict):
+            raise HTTPException(400, "Request body must be a JSON object")
+        new_size = body.get("new_data_parallel_size")
+        drain_timeout = body.get("drain_timeout", 120)
+        if new_size is None:
+            raise HTTPException(400, "new_data_parallel_size is required")
+        if isinstance(new_size, bool) or not isinstance(new_size, int) or new_size <= 0:
+            raise HTTPException(400, "new_data_parallel_size must be a positive integer")
+        if isinstance(drain_timeout, bool) or not isinstance(drain_timeout, int) or drain_timeout <= 0:
+            raise HTTPException(400, "drain_timeout must be a positive integer")
+        scale = getattr(engine, "scale_elastic_ep", None)
+        if scale is None:
+            raise group_only_error("scale_elastic_ep")
+        try:
+            await scale(new_size, min(drain_timeout, int(MAX_TIMEOUT_S)))
+        except TimeoutError:
+            raise HTTPException(408, f"Scale failed due to request drain timeout after {drain_timeout} seconds") from None
+        except (ValueError, ElasticEPStateError) as e:
+            raise HTTPException(400, str(e)) from None
+        except Exception as e:
+            logger.error("Scale failed: %s", e)
+            raise HTTPException(500, "Scale failed") from None
+        return {"message": f"Scaled to {new_size} data parallel engines"}
+
+    @router.post("/is_scaling_elastic_ep")
+    async def is_scaling_elastic_ep() -> dict:
+        return await engine.is_scaling_elastic_ep()
 
     return router

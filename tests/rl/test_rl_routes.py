@@ -428,3 +428,16 @@ def test_shutdown_weight_transfer_engine_requires_a_new_init(http):
     # Without a transfer engine the lifecycle refuses to start, and says why.
     refused = http.post("/start_weight_update")
     _assert_error(refused, 400, "init_weight_transfer_engine")
+
+
+def test_vllm_elastic_ep_routes_on_a_single_engine(http):
+    """vLLM's /is_scaling_elastic_ep body (idle: one engine never scales) and /scale_elastic_ep's 400s."""
+    assert http.post("/is_scaling_elastic_ep").json() == {
+        "is_scaling_elastic_ep": False, "phase": "idle", "epoch": None, "error": None,
+        "requested_data_parallel_size": None}
+    _assert_error(http.post("/scale_elastic_ep", json={}), 400, "new_data_parallel_size is required")
+    _assert_error(http.post("/scale_elastic_ep", json={"new_data_parallel_size": 0}), 400, "positive integer")
+    _assert_error(http.post("/scale_elastic_ep", json={"new_data_parallel_size": 2, "drain_timeout": 1.5}), 400,
+                  "drain_timeout")
+    _assert_error(http.post("/scale_elastic_ep", json={"new_data_parallel_size": 2}), 400, "lockstep")
+    assert _state(http) == (False, False)
