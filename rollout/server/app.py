@@ -24,7 +24,7 @@ from engine.sampling_params import SamplingParams
 from rollout.server import formatting as F
 from rollout.server import protocol as P
 from rollout.server.config import ServerConfig
-from rollout.server.elastic_routes import elastic_router
+from rollout.server.elastic_routes import elastic_router, vllm_elastic_router
 from rollout.server.errors import ERROR_TYPES, ModelNotFoundError, add_exception_handlers, error_response
 from rollout.server.middleware import (
     AdmissionMiddleware,
@@ -369,6 +369,7 @@ def build_app(engine: ServedEngine, server_config: ServerConfig, model_name: str
     if server_config.enable_rl_routes:
         app.include_router(routers["rl"])
         app.include_router(elastic_router(engine))
+        app.include_router(vllm_elastic_router(engine))
     if engine.config.fault_tolerance.enable_fault_tolerance:
         app.include_router(routers["fault_tolerance"])
         if engine.config.fault_tolerance.enable_fault_injection:  # tests only
