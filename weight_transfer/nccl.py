@@ -261,7 +261,9 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo
             if init_info.nccl_unique_id_b64 is not None:
                 unique_id = vllm_nccl.decode_unique_id_b64(init_info.nccl_unique_id_b64)
             else:
-                store = connect_store(init_info.master_address, init_info.master_port, init_info.timeout_s)
+                # As a StatelessProcessGroup member: vLLM's rank 0 waits for world_size members to connect.
+                store = connect_store(init_info.master_address, init_info.master_port, init_info.timeout_s,
+                                      world_size=init_info.world_size)
                 unique_id = vllm_nccl.read_unique_id(store, init_info.timeout_s)
             self.group = vllm_nccl.VllmNcclGroup(unique_id, rank=rank, world_size=init_info.world_size,
                                                  device=self.device, timeout_s=init_info.timeout_s)

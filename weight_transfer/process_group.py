@@ -84,8 +84,11 @@ def host_port(address: str, port: int) -> str:
     return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
-def connect_store(address: str, port: int, timeout_s: float) -> dist.TCPStore:
+def connect_store(address: str, port: int, timeout_s: float, world_size: int | None = None) -> dist.TCPStore:
     """A client of the trainer's store (engine side); TimeoutError naming the peer after timeout_s.
+
+    world_size: given, the client counts itself in as one of the store's workers, which a store
+    served with a world size (vLLM's StatelessProcessGroup) waits for before its rank 0 goes on.
 
     torch's own timeout does not cover every wait: against a listener that accepts and never
     answers, the TCPStore client's handshake waits forever. So the connect runs in a daemon
@@ -98,7 +101,7 @@ def connect_store(address: str, port: int, timeout_s: float) -> dist.TCPStore:
 
     def connect() -> None:
         try:
-            outcome.append(dist.TCPStore(address, port, None, False, _timedelta(timeout_s)))
+            outcome.append(dist.TCPStore(address, port, world_size, False, _timedelta(timeout_s)))
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
             outcome.append(e)
         done.set()

@@ -162,11 +162,14 @@ class SparseNCCLWeightTransferEngine(NCCLWeightTransferEngine):
             yield patch.name, patch
 
 
-def vllm_sparse_wire_specs(names: Sequence[str], dtypes: Sequence[torch.dtype], counts: Sequence[int]) -> list[WireSpec]:
+def vllm_sparse_wire_specs(
+    names: Sequence[str], dtypes: Sequence[torch.dtype], counts: Sequence[int]
+) -> list[WireSpec]:
     """vLLM's sparse wire items: per patch its indices (int32) and its values (the tensor's dtype), in order."""
     specs = []
     for name, dtype, n in zip(names, dtypes, counts):
-        specs += [WireSpec(f"{name} (patch indices)", torch.int32, (n,)), WireSpec(f"{name} (patch values)", dtype, (n,))]
+        specs += [WireSpec(f"{name} (patch indices)", torch.int32, (n,)),
+                  WireSpec(f"{name} (patch values)", dtype, (n,))]
     return specs
 
 
