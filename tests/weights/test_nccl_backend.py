@@ -382,7 +382,7 @@ def test_a_stalled_engine_gives_the_trainer_a_timeout_and_keeps_old_weights(serv
         with pytest.raises((TimeoutError, WeightSyncTransportError)):
             trainer.send_weights(_HookedSource(model, at=5, hook=stall), weight_version="stalled")
     finally:
-        engine_core.resume_generation()
+        engine_core.resume()  # psutil: SIGCONT
     # Whatever the engine makes of the transfer when it wakes, the trainer's abort_weight_update
     # (queued behind it) restores the weights of before.
     deadline = time.monotonic() + 4 * TIMEOUT_S
