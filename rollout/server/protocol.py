@@ -270,7 +270,7 @@ def _check_max_tokens(field: str, max_tokens: int, max_model_len: int) -> None:
     if max_tokens > max_model_len:
         raise ValueError(
             f"{field}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
-            "Please request fewer output tokens."
+            f"Please request fewer output tokens. (parameter={field}, value={max_tokens})"
         )
 
 

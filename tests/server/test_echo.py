@@ -140,7 +140,7 @@ def test_output_length_rules_are_vllm_033s(http):
     error = r.json()["error"]
     assert error["param"] == "max_tokens"
     assert error["message"] == (f"max_tokens={MAX_MODEL_LEN + 1} cannot be greater than max_model_len={MAX_MODEL_LEN}. "
-                                "Please request fewer output tokens.")
+                                f"Please request fewer output tokens. (parameter=max_tokens, value={MAX_MODEL_LEN + 1})")
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**4}
     r = http.post("/v1/chat/completions", json=chat)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
