@@ -5,6 +5,9 @@ layout with made-up bytes, so everything runs except mapping CUDA memory).
   IPCWeightTransferUpdateInfo, asdict, then its HTTP client's _json_safe_update_info) are parsed by our
   engine side as vLLM's worker parses them, refused without our flag as vLLM refuses them without
   VLLM_ALLOW_INSECURE_SERIALIZATION=1.
+- vLLM's HTTPVLLMWeightSyncClient against `rollout launch --weight-transfer-config '{"backend": "ipc"}'`:
+  its init and start are accepted; its update (handles pickled by the client itself) is a 400 naming our
+  flag, or with the flag gets as far as needing CUDA.
 - our trainer -> vLLM's engine: what our trainer sends with wire "vllm" / "vllm_packed" (ipc_vllm.init_info_of,
   ipc_vllm.update_info) is accepted by vLLM's own IPCWeightTransferInitInfo / IPCWeightTransferUpdateInfo,
   and vLLM reads back the very handles we put in.
@@ -110,6 +113,33 @@ def test_vllm_payload_with_a_mismatched_field_is_refused_like_vllm_refuses_it(vl
         vllm_ipc.IPCWeightTransferUpdateInfo(**payload)
     with pytest.raises(ValueError, match=r"update_info.shapes: 1 entries for 2 names"):
         our_engine({"packed": False}, allow=True).parse_update_info(payload)
+
+
+@pytest.fixture(scope="module")
+def ipc_servers(launch_server, tiny_checkpoint):
+    args = (tiny_checkpoint("llama"), "--enable-rl-routes", "--weight-transfer-config", '{"backend": "ipc"}')
+    return {"default": launch_server(*args), "allowed": launch_server(*args, FLAG)}
+
+
+@pytest.mark.parametrize("server", ["default", "allowed"])
+def test_vllms_http_client_drives_rollout_launch_up_to_needing_cuda(vllm_ipc, vllm_clients, ipc_servers, server):
+    import requests
+
+    client = vllm_clients.HTTPVLLMWeightSyncClient(ipc_servers[server].url, timeout=60)
+    client.init_weight_transfer_engine({"packed": False})  # as IPCTrainerWeightTransferEngine.trainer_init
+    client.start_weight_update()
+    info = vllm_ipc.IPCWeightTransferUpdateInfo(  # as _do_send: raw handles, the client pickles them
+        names=["model.norm.weight"], dtype_names=["float32"], shapes=[[64]],
+        ipc_handles=[{UUID: rebuild_args(torch.float32, (64,))}])
+    try:
+        with pytest.raises(requests.HTTPError) as e:
+            client.update_weights(dataclasses.asdict(info))
+    finally:
+        requests.post(f"{ipc_servers[server].url}/abort_weight_update", timeout=60)
+    assert e.value.response.status_code == 400
+    message = e.value.response.json()["error"]["message"]
+    assert (FLAG in message) if server == "default" else (CPU_END in message), message
+    client.shutdown_weight_transfer_engine()
 
 
 # ---- our trainer -> vLLM's engine -------------------------------------------------------------------

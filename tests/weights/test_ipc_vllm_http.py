@@ -31,9 +31,10 @@ def checkpoint(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def servers(launch_server, checkpoint):
-    """{"default": a server without the flag, "allowed": one with it}."""
-    return {"default": launch_server(checkpoint, "--enable-rl-routes"),
-            "allowed": launch_server(checkpoint, "--enable-rl-routes", FLAG)}
+    """{"default": a server without the flag, "allowed": one with it}; both pick ipc for an init_info naming no
+    backend, as a vLLM server started with --weight-transfer-config '{"backend": "ipc"}' does."""
+    args = ("--enable-rl-routes", "--weight-transfer-config", '{"backend": "ipc"}')
+    return {"default": launch_server(checkpoint, *args), "allowed": launch_server(checkpoint, *args, FLAG)}
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +60,9 @@ def _vllm_call(baseline, handles=None) -> dict:
 
 
 def _update(url: str, update_info: dict) -> httpx.Response:
-    """init (vLLM's {"packed": false}, plus our "backend" key), start, one update_weights, abort: the update's
-    answer."""
+    """init (vLLM's {"packed": false}), start, one update_weights, abort: the update's answer."""
     with httpx.Client(base_url=url, timeout=60) as http:
-        assert http.post("/init_weight_transfer_engine",
-                         json={"init_info": {"backend": "ipc", "packed": False}}).status_code == 200
+        assert http.post("/init_weight_transfer_engine", json={"init_info": {"packed": False}}).status_code == 200
         assert http.post("/start_weight_update").status_code == 200
         try:
             return http.post("/update_weights", json={"update_info": update_info})
