@@ -5,7 +5,7 @@ The trainer's sender (rank 0) packs the tensors (packing.plan_packs) into a ring
 a buffer. Each buffer is exported once (a CUDA IPC handle of its storage, or a named segment in
 /dev/shm on CPU) and each engine worker opens it once and caches it by (slot, generation), so
 later syncs pay neither cost. Handles travel in JSON (ints, strings, base64 for bytes); nothing
-is ever unpickled, so the same update_info works in-process, over Ray and over HTTP.
+of this shape is ever unpickled, so the same update_info works in-process, over Ray and over HTTP.
 
 One update_weights call per pack, posted in the background *before* the trainer fills the
 buffer, so the call's round trip overlaps the copy; the engine waits until the buffer's ready

@@ -16,13 +16,14 @@ the update is finished.
                    ref_counter_offset, event_handle, event_sync_required)
 
 ipc_handles itself is Python objects (classes, bytes, torch.Size), so it only travels in-process or
-over Ray; over HTTP vLLM pickles it. Nothing here unpickles unless the operator opted in
+over Ray; over HTTP vLLM pickles it (our trainer always does). Nothing here unpickles unless the operator opted in
 (WeightTransferConfig.weight_transfer_allow_pickled_ipc_handles, vLLM's switch being
 VLLM_ALLOW_INSECURE_SERIALIZATION=1); without it ipc_handles_pickled is a ValueError (HTTP 400)
 naming the field and the flag. With it the pickle goes through safe_pickle with PICKLE_ALLOWED:
 the globals an args tuple holds (torch.Tensor and nn.Parameter, torch.Size, the two storage classes,
 the dtypes), of which only torch.Size may be called, by a stand-in that takes a short tuple of ints;
 the classes come back as inert names and only become classes after the whole tuple is checked
+(no BUILD, INST, OBJ or NEWOBJ opcode is admitted either, so nothing else is made or changed)
 (check_args). rebuild_cuda_tensor itself is never in the pickle: we call it, on checked args,
 with this worker's device index in slot 6 (as vLLM does), when the tensors are received.
 
