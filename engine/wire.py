@@ -94,6 +94,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # return_routed_experts: [n, num_moe_layers, top_k] int32 expert ids of the next n positions of
     # prompt + output that went through the model since the last output (see Request.routed_experts).
     new_routed_experts: np.ndarray | None = None
+    num_preemptions: int = 0  # times the scheduler has preempted the request so far (last: omitted while 0)
 
     @property
     def finished(self) -> bool:

@@ -448,6 +448,7 @@ class Scheduler:
                     finish_reason=request.get_finish_reason() if stopped else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    num_preemptions=request.num_preemptions,
                     new_routed_experts=(
                         _take_routed_experts(request) if new_token_ids and request.pending_routed_experts else None
                     ),

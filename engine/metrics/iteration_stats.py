@@ -26,6 +26,7 @@ class RequestStateStats:
     parent_req_id: str | None = None  # the user request an n > 1 child belongs to
     max_tokens: int | None = None  # the request's max_tokens parameter (None: not given)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (known with the first token)
+    num_preemptions: int = 0  # the most the engine's outputs reported
     scheduled_time: float = 0.0
     first_token_time: float = 0.0
     last_token_time: float = 0.0
@@ -47,6 +48,7 @@ class FinishedRequestStats:
     decode_time: float  # first token -> last token (engine clock)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
     max_tokens: int | None = None  # the max_tokens parameter, if the request gave one
+    num_preemptions: int = 0  # times the engine preempted it (as of its last output)
 
     @property
     def inference_time(self) -> float:
@@ -154,6 +156,8 @@ class IterationStatsRecorder:
             if state is None:
                 continue  # not tracked, or already finished by the frontend
             num_new = len(out.new_token_ids)
+            if out.num_preemptions > state.num_preemptions:
+                state.num_preemptions = out.num_preemptions
             if num_new:
                 if state.num_generation_tokens == 0:
                     state.scheduled_time = max(state.arrival_time, step_start)
@@ -196,6 +200,7 @@ class IterationStatsRecorder:
                 decode_time=decode_time,
                 num_cached_tokens=state.num_cached_tokens,
                 max_tokens=state.max_tokens,
+                num_preemptions=state.num_preemptions,
             )
         )
         if state.parent_req_id is None:

@@ -38,6 +38,7 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]  # fmt: skip
 ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 REQUEST_PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]
+REQUEST_NUM_PREEMPTIONS_BUCKETS = [1, 2, 3, 4, 5, 10, 20]
 WEIGHT_UPDATE_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 
 
@@ -176,6 +177,9 @@ class PrometheusStatLogger(StatLoggerBase):
         self.request_params_max_tokens = histogram(
             "request_params_max_tokens", "The max_tokens parameter of finished requests that gave one.", token_buckets
         )
+        self.request_num_preemptions = histogram(
+            "request_num_preemptions", "Times a finished request was preempted.", REQUEST_NUM_PREEMPTIONS_BUCKETS
+        )
         self.request_prefill_kv_computed_tokens = histogram(
             "request_prefill_kv_computed_tokens", "Prompt tokens a finished request prefilled itself (cache hits excluded).",
             token_buckets,
@@ -233,7 +237,7 @@ class PrometheusStatLogger(StatLoggerBase):
             "generation_tokens", "estimated_flops", "estimated_read_bytes", "estimated_write_bytes",
             "request_prompt_tokens", "request_generation_tokens", "iteration_tokens",
             "request_max_num_generation_tokens", "request_params_n", "request_params_max_tokens",
-            "request_prefill_kv_computed_tokens", "time_to_first_token", "inter_token_latency",
+            "request_num_preemptions", "request_prefill_kv_computed_tokens", "time_to_first_token", "inter_token_latency",
             "request_time_per_output_token", "e2e_request_latency", "request_queue_time",
             "request_inference_time", "request_prefill_time", "request_decode_time",
         ]  # fmt: skip
@@ -326,6 +330,7 @@ class PrometheusStatLogger(StatLoggerBase):
                 e.request_prompt_tokens.observe(req.num_prompt_tokens)
                 e.request_generation_tokens.observe(req.num_generation_tokens)
                 e.request_prefill_kv_computed_tokens.observe(req.num_prompt_tokens - req.num_cached_tokens)
+                e.request_num_preemptions.observe(req.num_preemptions)
                 if req.max_tokens:
                     e.request_params_max_tokens.observe(req.max_tokens)
 

@@ -82,3 +82,32 @@ def test_finished_without_tokens_is_all_queue_time():
     [done] = it.finished_requests
     assert done.finish_reason == "abort" and done.queue_time == pytest.approx(2.0)
     assert (done.prefill_time, done.decode_time, done.num_generation_tokens) == (0.0, 0.0, 0)
+
+
+def test_n_and_max_generation_tokens_once_per_user_request():
+    rec = IterationStatsRecorder()
+    for child in ("p-0", "p-1", "p-2"):
+        rec.on_request_added(child, 0.0, 4, parent_req_id="p", max_tokens=8, n=3)
+    rec.on_request_added("solo", 0.0, 5, max_tokens=2)
+    it = rec.on_engine_outputs(step(1.0, EngineCoreOutput("p-0", [1, 2], finish_reason=FinishReason.STOP),
+                                    EngineCoreOutput("p-1", [1]), EngineCoreOutput("p-2", [1]),
+                                    EngineCoreOutput("solo", [1, 2], finish_reason=FinishReason.LENGTH)), now=1.0)  # fmt: skip
+    assert it.n_params == [1] and it.max_num_generation_tokens == [2]  # only "solo" is done
+    assert [r.max_tokens for r in it.finished_requests] == [8, 2]
+    it = rec.on_engine_outputs(step(2.0, EngineCoreOutput("p-1", [2, 3, 4], finish_reason=FinishReason.LENGTH)), now=2.0)
+    assert it.n_params == [] and len(it.finished_requests) == 1  # one child of "p" still runs
+    rec.on_requests_aborted(["p-2"])  # the last child dropped unreported: "p" is forgotten too
+    assert rec.requests == {} and rec.parents == {}
+
+
+def test_cached_prompt_tokens_and_preemptions_come_from_the_engine_outputs():
+    rec = IterationStatsRecorder()
+    rec.on_request_added("a", 0.0, num_prompt_tokens=40)
+    it = rec.on_engine_outputs(step(1.0, EngineCoreOutput("a", [1], num_cached_tokens=32)), now=1.0)
+    assert (it.num_prompt_tokens, it.num_cached_prompt_tokens, it.num_computed_prompt_tokens) == (40, 32, 8)
+    rec.on_engine_outputs(step(2.0, EngineCoreOutput("a", [2], num_cached_tokens=32, num_preemptions=1)), now=2.0)
+    it = rec.on_engine_outputs(step(3.0, EngineCoreOutput("a", [3], finish_reason=FinishReason.LENGTH,
+                                                          num_cached_tokens=32, num_preemptions=2)), now=3.0)  # fmt: skip
+    [done] = it.finished_requests
+    assert (done.num_cached_tokens, done.num_preemptions, done.max_tokens) == (32, 2, None)
+    assert it.num_prompt_tokens == 0  # counted once, with the first token

@@ -99,3 +99,17 @@ def test_plugin_sees_every_step(make_llm, recording_plugin):
     assert all(s is not None for s, _, _ in plugin.records)  # the engine core attaches scheduler stats
     assert sum(it.num_generation_tokens for _, it, _ in plugin.records) == 3
     assert sum(s.step_work.num_decode_tokens for s, _, _ in plugin.records) == 2  # the first token comes from prefill
+
+
+def test_preempted_requests_are_counted_per_request(tiny_checkpoint):
+    # 6 blocks of 16 tokens cannot hold 8 sequences of up to 40 tokens at once: the scheduler preempts.
+    llm = LLM(tiny_checkpoint(), device="cpu", dtype="float32", max_model_len=64, block_size=16,
+              num_gpu_blocks_override=6, max_num_seqs=8, enable_prefix_caching=False, disable_log_stats=True)  # fmt: skip
+    params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)
+    llm.generate([f"prompt number {i} says" for i in range(8)], params, use_tqdm=False)
+    snap = llm.get_metrics_snapshot()
+    engine_wide = snap["vllm:num_preemptions_total"]
+    assert engine_wide > 0, "the KV cache was meant to be small enough to preempt"
+    # Every preemption belongs to one finished request: the per-request histogram adds up to the counter.
+    assert snap["vllm:request_num_preemptions_count"] == 8
+    assert snap["vllm:request_num_preemptions_sum"] == engine_wide

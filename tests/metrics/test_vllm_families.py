@@ -31,8 +31,6 @@ NUM_SPEC_TOKENS = 2
 NOT_MATCHED = {
     "vllm:mm_cache_queries": "always in vLLM; we take no multimodal inputs, so there is no multimodal cache",
     "vllm:mm_cache_hits": "always in vLLM; no multimodal cache here",
-    "vllm:request_num_preemptions": "always in vLLM; our engine outputs carry no per-request preemption count "
-    "(vllm:num_preemptions, the engine-wide counter, is there)",
     "vllm:num_requests_kv_fetch_by_stage": "conditional: a KV-transfer consumer only; no KV connector here",
     "vllm:corrupted_requests": "conditional: VLLM_COMPUTE_NANS_IN_LOGITS only",
     "vllm:watermark_requests": "conditional: watermark_config only; no watermarking here",
