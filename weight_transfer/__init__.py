@@ -7,6 +7,8 @@
 from weight_transfer.base import (
     ModuleSource,
     ParamMeta,
+    Replicate,
+    Shard,
     SparseWeightPatch,
     StateDictSource,
     SyncStats,
@@ -27,6 +29,8 @@ from weight_transfer.checksums import compare_checksums, hf_state_checksums, ten
 __all__ = [
     "ModuleSource",
     "ParamMeta",
+    "Replicate",
+    "Shard",
     "SparseWeightPatch",
     "StateDictSource",
     "SyncStats",

@@ -531,10 +531,11 @@ class NCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[NCCLTrainerIni
         sent = self._send_call(update_info, specs, _in_metadata_order(metas, source.iter_full()))
         return SyncStats(self.backend, num_tensors=len(metas), bytes_sent=sent, dense_bytes=sum(m.nbytes for m in metas))
 
-    def _send_call(self, update_info: dict, specs: Sequence[WireSpec], tensors: Iterator[torch.Tensor]) -> int:
+    def _send_call(self, update_info: dict, specs: Sequence[WireSpec], tensors: Iterator[torch.Tensor],
+                   settings: TransferSettings | None = None) -> int:
         """One update_weights call: the engine validates the metadata, then the tensors are broadcast."""
         if self.keys is None:  # vLLM's rendezvous: no store keys, the broadcasts pair up in NCCL
-            return self._send_call_vllm(update_info, specs, tensors)
+            return self._send_call_vllm(update_info, specs, tensors, settings or self.settings)
         self.call_id += 1
         call_id = self.call_id
         future = call_in_background(self.client.update_weights, {**update_info, "call_id": call_id})
@@ -558,10 +559,11 @@ class NCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[NCCLTrainerIni
             self.group.abort()
             raise
 
-    def _send_call_vllm(self, update_info: dict, specs: Sequence[WireSpec], tensors: Iterator[torch.Tensor]) -> int:
+    def _send_call_vllm(self, update_info: dict, specs: Sequence[WireSpec], tensors: Iterator[torch.Tensor],
+                        settings: TransferSettings) -> int:
         future = call_in_background(self.client.update_weights, update_info)
         try:
-            sent = send_items(self.group, specs, tensors, self.settings, _raise_engine_error(future))
+            sent = send_items(self.group, specs, tensors, settings, _raise_engine_error(future))
             next(tensors, None)
             answer_of(future, self.timeout_s, "update_weights")
             return sent

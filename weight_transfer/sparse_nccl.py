@@ -315,6 +315,8 @@ class SparseNCCLTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
         return stats
 
     def _send_chunk(self, chunk: list[tuple[str, Entry]]) -> int:
+        if self.init_info.wire == "vllm":
+            return self._send_chunk_vllm(chunk)
         names = [name for name, _ in chunk]
         metas = [_entry_meta(name, entry) for name, entry in chunk]
         dtypes, shapes, nnz = [m[0] for m in metas], [m[1] for m in metas], [m[2] for m in metas]
@@ -328,3 +330,30 @@ class SparseNCCLTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
         update_info: dict[str, Any] = {**dtype_names_list(names, dtypes, shapes), "nnz": nnz}
         return self._send_call(update_info, sparse_wire_specs(names, dtypes, shapes, nnz), iter(items))
 
+    def _send_chunk_vllm(self, chunk: list[tuple[str, Entry]]) -> int:
+        update_info, specs, patches = vllm_sparse_call(chunk)
+        items = (t.to(self.device) for p in patches for t in (p.indices, p.values))
+        unpacked = TransferSettings(False, self.settings.buffer_size, self.settings.num_buffers)
+        return self._send_call(update_info, specs, items, unpacked)
+
+
+def vllm_sparse_call(chunk: Sequence[tuple[str, Entry]]) -> tuple[dict, list[WireSpec], list[SparseWeightPatch]]:
+    """One call on vLLM's sparse wire (our trainer, wire="vllm"): its update_info, wire items and patches.
+
+    Every entry is a patch, a dense tensor the patch of all its coordinates; on the wire, per
+    patch, its int32 indices then its values, one broadcast each, never packed.
+    """
+    patches = [entry if isinstance(entry, SparseWeightPatch) else _full_patch(name, entry) for name, entry in chunk]
+    dtypes = [p.values.dtype for p in patches]
+    counts = [int(p.indices.numel()) for p in patches]
+    update_info = {**dtype_names_list([p.name for p in patches], dtypes, [p.full_shape for p in patches]),
+                   "num_updates_list": counts}
+    return update_info, vllm_sparse_wire_specs([p.name for p in patches], dtypes, counts), patches
+
+
+def _full_patch(name: str, tensor: torch.Tensor) -> SparseWeightPatch:
+    """A dense tensor as a patch of every coordinate (vLLM's sparse wire has no dense entries)."""
+    if tensor.numel() > MAX_PATCH_NUMEL:
+        raise ValueError(f"{name!r}: {tensor.numel()} elements are more than int32 patch indices address")
+    indices = torch.arange(tensor.numel(), dtype=torch.int32, device=tensor.device)
+    return SparseWeightPatch(name, indices, tensor.detach().reshape(-1), tuple(tensor.shape))

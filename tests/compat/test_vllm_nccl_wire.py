@@ -391,3 +391,23 @@ def test_weight_transfer_config_is_vllms_and_picks_the_backend(vllm_import):
         ServerConfig(weight_transfer_backend="ipc", weight_transfer_config={"backend": "nccl"})
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['packed'\]"):
         ServerConfig(weight_transfer_config={"backend": "nccl", "packed": True})
+
+
+def test_our_sparse_trainer_vllm_wire_fits_vllms_dataclass_and_our_engine(vllm_sparse):
+    from weight_transfer.base import SparseWeightPatch
+    from weight_transfer.sparse_nccl import vllm_sparse_call
+
+    patch = SparseWeightPatch("w", torch.tensor([1, 4], dtype=torch.int32), torch.tensor([0.5, -2.0]), (2, 3))
+    dense = torch.arange(6, dtype=torch.bfloat16).reshape(3, 2)
+    update_info, specs, patches = vllm_sparse_call([("w", patch), ("d", dense)])
+    theirs = vllm_sparse.SparseNCCLWeightTransferUpdateInfo(**update_info)  # vLLM's own checks pass
+    assert theirs.num_updates_list == [2, 6] and theirs.dtype_names == ["float32", "bfloat16"]
+    assert [(s.dtype, s.shape) for s in specs] == [(torch.int32, (2,)), (torch.float32, (2,)),
+                                                   (torch.int32, (6,)), (torch.bfloat16, (6,))]
+    full = torch.zeros(6, dtype=torch.bfloat16)
+    full[patches[1].indices.long()] = patches[1].values
+    assert torch.equal(full.reshape(3, 2), dense)  # the dense tensor's patch rebuilds it exactly
+    engine = _initialized(_cuda_engine(SparseNCCLWeightTransferEngine), {
+        "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2})
+    engine.group = _Joined()
+    assert engine.parse_update_info(update_info).nnz == [2, 6]

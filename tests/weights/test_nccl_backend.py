@@ -8,13 +8,14 @@ import subprocess
 import sys
 import threading
 import time
+from functools import cached_property
 
 import httpx
 import psutil
 import pytest
 import torch
 
-from weight_transfer.base import StateDictSource, WeightSource, as_source, trainer_init
+from weight_transfer.base import ParamMeta, Replicate, Shard, StateDictSource, WeightSource, as_source, trainer_init
 from weight_transfer.clients import HTTPWeightSyncClient, WeightSyncClient, WeightSyncError
 from weight_transfer.nccl import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine, NCCLWeightTransferEngine
 from weight_transfer.packing import plan_nccl_packs
@@ -227,6 +228,63 @@ def _group_pair(store, prefix: str, timeout_s: float) -> dict[int, WeightSyncGro
     for t in threads:
         t.join()
     return groups
+
+
+class _VllmStyleSource(WeightSource):
+    """A WeightSource written for vLLM's base: metadata a cached_property, owners left None, no iter_local."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    @cached_property
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self.tensors.items()]
+
+    def iter_full(self):
+        yield from self.tensors.items()
+
+
+def test_a_source_written_for_vllms_base_syncs_as_ours():
+    gen = torch.Generator().manual_seed(3)
+    tensors = {f"layers.{i}.w": torch.randn(5, 7 + i, generator=gen) for i in range(4)}
+    source = _VllmStyleSource(tensors)
+    assert [m.owners for m in source.metadata] == [None] * 4 and source.owned_names(3) == list(tensors)
+    assert source.implements_iter_full() and not source.implements_iter_local()
+    engines = _InProcessEngines(1)
+    trainer = NCCLTrainerWeightTransferEngine.trainer_init(_info(world_size=2, packed_buffer_size_bytes=256),
+                                                           client=engines, source=source)
+    try:
+        trainer.send_weights(weight_version="v1")
+        assert list(engines.landed[0]) == list(tensors)
+        for name, tensor in tensors.items():
+            assert torch.equal(engines.landed[0][name], tensor)
+    finally:
+        trainer.shutdown()
+
+
+def test_param_meta_takes_vllms_layout_arguments():
+    meta = ParamMeta("w", torch.float32, [4, 6], owners=(0, 1, 2, 3), mesh_shape=(2, 2),
+                     placements=(Shard(0), Replicate()))
+    assert meta.shape == (4, 6) and meta.mesh_shape == (2, 2) and meta.sharded and not meta.owned_by(5)
+    assert ParamMeta("w", torch.float32, (4,), owners=(0, 1), placements=(Replicate(),)).placements is None
+    assert ParamMeta("w", torch.float32, (4,), owners=(0,)).mesh_shape == (1,)
+    for kwargs, message in [
+        ({"mesh_shape": (2,)}, "need owners"),
+        ({"owners": (0, 0)}, "distinct non-negative"),
+        ({"owners": (0, 1, 2), "mesh_shape": (2, 2)}, "does not cover"),
+        ({"owners": (0, 1), "placements": (Shard(2),)}, r"Shard\(dim=2\) of a 2-D tensor"),
+        ({"owners": (0, 1), "placements": (Shard(0), Shard(1))}, "2 placements for a 1-D mesh"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ParamMeta("w", torch.float32, (4, 6), **kwargs)
+    with pytest.raises(TypeError, match="must be a functools.cached_property"):
+        class _Plain(WeightSource):  # noqa: F841 - the class statement itself raises
+            @property
+            def metadata(self):
+                return []
+
+            def iter_full(self):
+                return iter(())
 
 
 def test_a_silent_peer_gives_a_timeout_not_a_hang():
