@@ -26,6 +26,7 @@ from rollout.server import protocol as P
 from rollout.server.config import ServerConfig
 from rollout.server.elastic_routes import elastic_router, vllm_elastic_router
 from rollout.server.errors import ERROR_TYPES, ModelNotFoundError, add_exception_handlers, error_response
+from rollout.server.generate_routes import generate_router
 from rollout.server.middleware import (
     AdmissionMiddleware,
     AuthMiddleware,
@@ -364,6 +365,7 @@ def build_app(engine: ServedEngine, server_config: ServerConfig, model_name: str
     open_router = _open_routes(state)
     app.include_router(open_router)
     app.include_router(_api_routes(state))
+    app.include_router(generate_router(state))  # /inference/v1/generate
     # Control routes exist only when asked for (docs/architecture.md: RL and weight routes are off by default).
     routers = control_routers(engine, checks={"init_weight_transfer_engine": _backend_check(server_config)})
     if server_config.enable_rl_routes:

@@ -111,3 +111,45 @@ def test_max_tokens_over_max_model_len_words_its_400_as_vllm(http, vllm_import):
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": MAX_MODEL_LEN + 1})
     assert r.status_code == 400 and r.json()["error"]["message"] == str(theirs.value)
     assert r.json()["error"]["param"] == "max_tokens"
+
+
+@pytest.fixture(scope="module")
+def vllm_generate(vllm_import):
+    return vllm_import("vllm.entrypoints.scale_out.token_in_token_out.protocol")
+
+
+def test_generate_takes_vllms_request_and_answers_vllms_response(http, vllm_generate, vllm_import):
+    from rollout.server.generate_routes import VLLM_ONLY_SAMPLING_FIELDS
+    from engine.sampling_params import SamplingParams
+
+    import msgspec
+
+    # Every public field of vLLM's SamplingParams is ours or listed as vLLM-only.
+    theirs = {f.name for f in msgspec.structs.fields(vllm_import("vllm.sampling_params").SamplingParams)}
+    ours = {f.name for f in msgspec.structs.fields(SamplingParams)}
+    assert {n for n in theirs if not n.startswith("_")} - ours - VLLM_ONLY_SAMPLING_FIELDS == set()
+
+    for mode, response_model, chunk_model in (
+        ("tokens", vllm_generate.GenerateTokensResponse, vllm_generate.GenerateTokensStreamResponse),
+        ("text", vllm_generate.GenerateTextResponse, vllm_generate.GenerateTextStreamResponse),
+    ):
+        # The body vLLM's own request model writes (sampling_params dumped with vLLM's defaults).
+        request = vllm_generate.GenerateRequest(
+            token_ids=[5, 17, 99, 230], output_mode=mode, return_token_ids=True,
+            sampling_params={"temperature": 0.0, "max_tokens": 4, "logprobs": 1, "ignore_eos": True})
+        body = request.model_dump(mode="json")
+        r = http.post("/inference/v1/generate", json=body)
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        parsed = response_model.model_validate(answer)
+        assert set(answer) == set(response_model.model_fields)
+        (choice,) = answer["choices"]
+        choice_model = type(parsed.choices[0])
+        assert set(choice) == set(choice_model.model_fields), mode
+        assert answer["request_id"] == request.request_id and len(choice["token_ids"]) == 4
+        with http.stream("POST", "/inference/v1/generate", json={**body, "stream": True}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    chunk_model.model_validate(chunk)
+                    assert set(chunk) <= set(chunk_model.model_fields)
