@@ -136,6 +136,9 @@ class PrometheusStatLogger(StatLoggerBase):
         self.external_prefix_cache_hits = counter(
             "external_prefix_cache_hits", "Tokens found in an external KV cache (no KV connector here: 0)."
         )
+        # vLLM has these for every model; a text-only one (all we serve) never queries the cache, as here.
+        self.mm_cache_queries = counter("mm_cache_queries", "Multimodal cache queries, in items (text only here: 0).")
+        self.mm_cache_hits = counter("mm_cache_hits", "Multimodal cache hits, in items (text only here: 0).")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got their first token.")
         self.prompt_tokens_by_source = counter(
@@ -233,7 +236,7 @@ class PrometheusStatLogger(StatLoggerBase):
             "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
             "engine_paused", "engine_sleep_level",
             "prefix_cache_queries", "prefix_cache_hits", "external_prefix_cache_queries",
-            "external_prefix_cache_hits", "num_preemptions", "prompt_tokens", "prompt_tokens_cached",
+            "external_prefix_cache_hits", "mm_cache_queries", "mm_cache_hits", "num_preemptions", "prompt_tokens", "prompt_tokens_cached",
             "generation_tokens", "estimated_flops", "estimated_read_bytes", "estimated_write_bytes",
             "request_prompt_tokens", "request_generation_tokens", "iteration_tokens",
             "request_max_num_generation_tokens", "request_params_n", "request_params_max_tokens",
