@@ -63,8 +63,9 @@ def listener():
 
 
 def _init_info(host: str, port: int, **overrides) -> dict:
+    # Our trainer's init_info (group_generation: our rendezvous, the one a CPU engine joins).
     return {"backend": "nccl", "master_address": host, "master_port": port, "world_size": 2, "device_type": "cpu",
-            "timeout_s": 5, **overrides}
+            "timeout_s": 5, "group_generation": 0, **overrides}
 
 
 # ---------------------------------------------------------------------------------------
