@@ -1,4 +1,4 @@
-"""PrometheusStatLogger: the engine's metric families (vLLM's `vllm:` names, ours `rollout:`) in a prometheus_client registry."""
+"""PrometheusStatLogger: the engine's metric families (vLLM's under `vllm:`, ours under `rollout:`) in one registry."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ class PrometheusStatLogger(StatLoggerBase):
         )
         self.engine_sleep_state = gauge(
             "engine_sleep_state",
-            "1 for the engine's sleep state (awake; weights_offloaded: level 1; discard_all: level 2), 0 for the others.",
+            "1 for the engine's sleep state (awake, weights_offloaded: level 1, discard_all: level 2), else 0.",
             ["sleep_state"],
         )
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).")
@@ -184,7 +184,7 @@ class PrometheusStatLogger(StatLoggerBase):
             "request_num_preemptions", "Times a finished request was preempted.", REQUEST_NUM_PREEMPTIONS_BUCKETS
         )
         self.request_prefill_kv_computed_tokens = histogram(
-            "request_prefill_kv_computed_tokens", "Prompt tokens a finished request prefilled itself (cache hits excluded).",
+            "request_prefill_kv_computed_tokens", "Prompt tokens a finished request prefilled (cache hits excluded).",
             token_buckets,
         )  # fmt: skip
         # Histograms of times.
@@ -236,13 +236,15 @@ class PrometheusStatLogger(StatLoggerBase):
             "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
             "engine_paused", "engine_sleep_level",
             "prefix_cache_queries", "prefix_cache_hits", "external_prefix_cache_queries",
-            "external_prefix_cache_hits", "mm_cache_queries", "mm_cache_hits", "num_preemptions", "prompt_tokens", "prompt_tokens_cached",
-            "generation_tokens", "estimated_flops", "estimated_read_bytes", "estimated_write_bytes",
+            "external_prefix_cache_hits", "mm_cache_queries", "mm_cache_hits", "num_preemptions",
+            "prompt_tokens", "prompt_tokens_cached", "generation_tokens",
+            "estimated_flops", "estimated_read_bytes", "estimated_write_bytes",
             "request_prompt_tokens", "request_generation_tokens", "iteration_tokens",
             "request_max_num_generation_tokens", "request_params_n", "request_params_max_tokens",
-            "request_num_preemptions", "request_prefill_kv_computed_tokens", "time_to_first_token", "inter_token_latency",
-            "request_time_per_output_token", "e2e_request_latency", "request_queue_time",
-            "request_inference_time", "request_prefill_time", "request_decode_time",
+            "request_num_preemptions", "request_prefill_kv_computed_tokens",
+            "time_to_first_token", "inter_token_latency", "request_time_per_output_token",
+            "e2e_request_latency", "request_queue_time", "request_inference_time",
+            "request_prefill_time", "request_decode_time",
         ]  # fmt: skip
         return {name: getattr(self, name) for name in names}
 

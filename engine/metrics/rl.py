@@ -1,4 +1,4 @@
-"""Frontend-wide RL metrics under vLLM's names: how long each weight-transfer and sleep-mode call takes and how many are awaited now.
+"""Frontend-wide RL metrics under vLLM's names: each weight-transfer and sleep-mode call's duration, and how many run.
 
 vLLM 0.33 records these at its HTTP routes, per operation and without engine labels, in one
 process-wide registry; so do we. The families live in FRONTEND_REGISTRY (not in an engine's
