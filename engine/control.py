@@ -146,6 +146,8 @@ class Route:
     answer: Callable[[Any, dict[str, Any]], dict[str, Any]] | None = None
     read: Callable[[dict[str, Any]], Any] | None = None  # a client's result from an `answer`-built answer
     background: bool = False  # validate, answer at once (vLLM's 202 {"message", "request_id"}), run the call after
+    metric: tuple[Literal["weight", "sleep_mode"], str] | None = None  # vLLM's operation family and label the
+    # route's call is timed under (engine/metrics/rl.py), failed calls included, as vLLM's routes do
     status_code: int = 200
     errors: tuple[int, ...] = ()  # statuses beyond 400/401/503 the route may answer (documented in OpenAPI)
     router: Literal["rl", "fault_tolerance", "fault_injection"] = "rl"  # which flag mounts it
@@ -255,7 +257,8 @@ class EngineControls(Protocol):
 
     # ---- sleep and wake up
 
-    @control(Combine.OWN, route=Route(query=("level", "mode"), constant=(("status", "sleeping"),), echo=("level",)))
+    @control(Combine.OWN, route=Route(query=("level", "mode"), constant=(("status", "sleeping"),), echo=("level",),
+                                      metric=("sleep_mode", "sleep")))
     async def sleep(
         self,
         level: Annotated[SleepLevel, Arg("0, 1 or 2 (see SleepLevel)", ge=0, le=2)] = 1,
@@ -269,7 +272,7 @@ class EngineControls(Protocol):
 
     @control(Combine.OWN, route=Route(query=("tags",), answer=lambda awake, args: {
         "status": "awake" if awake else "sleeping", "tags": args["tags"] or None},
-        read=lambda answer: answer["status"] == "awake"))
+        read=lambda answer: answer["status"] == "awake", metric=("sleep_mode", "wake")))
     async def wake_up(self, tags: Annotated[list[str] | None, Arg(
             "what to restore: some of weights, kv_cache, scheduling (WakeUpTag); all when left out")] = None) -> bool:
         """Restores what sleep() freed (only `tags` when given); True once nothing sleeps. After sleep(2)
@@ -303,7 +306,8 @@ class EngineControls(Protocol):
     # ---- weight updates (the lifecycle: init, start, update..., finish or abort, shutdown)
 
     @control(Combine.OWN, route=Route(wire=(("request", "init_info"),),
-                                      constant=(("message", "Weight transfer initialized"),), errors=(504,)),
+                                      constant=(("message", "Weight transfer initialized"),), errors=(504,),
+                                      metric=("weight", "init")),
              weight_sync=True)
     async def init_weight_transfer_engine(self, request: Annotated[Any, Arg(
             'vLLM\'s WeightTransferInitRequest (anything with .init_info), {"init_info": {...}}, or the init_info '
@@ -314,30 +318,31 @@ class EngineControls(Protocol):
         naming the peer); its address must be in weight_transfer_allowed_hosts. A group gives engine i's
         workers consecutive ranks from init_info's rank_offset."""
 
-    @control(Combine.ALL, route=Route(constant=(("message", "Weight update started"),), errors=(502,)),
+    @control(Combine.ALL, route=Route(constant=(("message", "Weight update started"),), errors=(502,), metric=("weight", "start")),
              weight_sync=True)
     async def start_weight_update(self) -> None:
         """Begins an update: from now on no step runs on half-updated weights, until finish or abort."""
 
-    @control(Combine.ALL, route=Route(constant=(("message", "Draft weight update started"),), errors=(502,)),
+    @control(Combine.ALL, route=Route(constant=(("message", "Draft weight update started"),), errors=(502,),
+                                      metric=("weight", "start_draft")),
              weight_sync=True)
     async def start_draft_weight_update(self) -> None:
         """Begins an update of speculative decoding's draft model: update_weights calls whose update_info
         names no "model" land in the draft, until finish or abort. ValueError without a draft model."""
 
     @control(Combine.ALL, route=Route(wire=(("request", "update_info"),),
-                                      constant=(("message", "Weights updated"),), errors=(502,)),
+                                      constant=(("message", "Weights updated"),), errors=(502,), metric=("weight", "update")),
              weight_sync=True)
     async def update_weights(self, request: Annotated[Any, Arg(
             'vLLM\'s WeightTransferUpdateRequest (anything with .update_info), {"update_info": {...}}, or the '
             'update_info itself: one update for the receiver; for the local backend {"weights": [{"name", '
-            '"dtype", "shape", "data_b64"}]}; with "model": "draft" it lands in the draft model',
-            http=dict[str, Any])]) -> None:
+            '"dtype", "shape", "data_b64"}]}; with "model": "draft" it lands in the draft model; a list: one '
+            "update_info per worker, in global rank order (vLLM's)", http=dict[str, Any] | list[dict[str, Any]])]) -> None:
         """Receives and lands one batch of tensors, each checked (name, dtype, shape, finite) before any
         weight changes. A failed transfer (WeightTransferError, HTTP 502) ends the update and restores
         the weights of before it. A group runs it on every engine at once (collective transports)."""
 
-    @control(Combine.OWN, route=Route(constant=(("message", "Weight update finished"),), errors=(502,)),
+    @control(Combine.OWN, route=Route(constant=(("message", "Weight update finished"),), errors=(502,), metric=("weight", "finish")),
              weight_sync=True)
     async def finish_weight_update(self, weight_version: Annotated[str | None, Arg(
             "the version the new weights serve under; None keeps the engine's own numbering")] = None) -> None:
@@ -348,7 +353,8 @@ class EngineControls(Protocol):
         """Ends an update in progress and restores the weights of before it; False if none was in progress.
         (Ours: vLLM has no abort.)"""
 
-    @control(Combine.ALL, route=Route(constant=(("message", "Weight transfer shut down"),)), weight_sync=True)
+    @control(Combine.ALL, route=Route(constant=(("message", "Weight transfer shut down"),), metric=("weight", "shutdown")),
+             weight_sync=True)
     async def shutdown_weight_transfer_engine(self) -> None:
         """Closes the receiver (its connections to the trainer)."""
 
@@ -609,13 +615,18 @@ def http_result(declared: Control, answer: dict[str, Any] | None) -> Any:
 # ---- vLLM's request objects ------------------------------------------------------------------------
 
 
-def _unwrap(key: str) -> Callable[[Any], dict[str, Any]]:
-    def unwrap(request: Any) -> dict[str, Any]:
-        """The `key` dict of vLLM's request object (anything with that attribute), of {key: {...}}, or the dict itself."""
-        if hasattr(request, key) and not isinstance(request, dict):
+def _unwrap(key: str, per_rank: bool = False) -> Callable[[Any], Any]:
+    def unwrap(request: Any) -> Any:
+        """The `key` dict of vLLM's request object (anything with that attribute), of {key: ...}, or the dict
+        itself; with per_rank also vLLM's list of such dicts, one per worker across the data-parallel engines."""
+        if hasattr(request, key) and not isinstance(request, (dict, list)):
             request = getattr(request, key)
         elif isinstance(request, dict) and set(request) == {key}:
             request = request[key]
+        if per_rank and isinstance(request, list):
+            if not request or not all(isinstance(entry, dict) for entry in request):
+                raise ValueError(f"{key}: a list must hold one dict per worker (global rank order)")
+            return request
         if not isinstance(request, dict):
             raise ValueError(f"{key}: expected a dict (or a request with .{key}), got {type(request).__name__}")
         return request
@@ -625,8 +636,9 @@ def _unwrap(key: str) -> Callable[[Any], dict[str, Any]]:
 
 init_info_of = _unwrap("init_info")
 """init_weight_transfer_engine's `request` as its init_info dict (ValueError naming init_info otherwise)."""
-update_info_of = _unwrap("update_info")
-"""update_weights' `request` as its update_info dict."""
+update_info_of = _unwrap("update_info", per_rank=True)
+"""update_weights' `request` as its update_info: a dict, or vLLM's list of one dict per worker (indexed by
+data_parallel_rank * tensor_parallel_size + rank)."""
 
 _REQUEST_ARGS = {"init_weight_transfer_engine": {"request": init_info_of}, "update_weights": {"request": update_info_of}}
 

@@ -468,9 +468,11 @@ class EngineCore:
         are back. The prefix cache is reset here too (not only at finish), so that even
         between the calls of one update no request hits a block computed with older weights.
         """
-        update_info = update_info_of(request)
-        if self._draft_update and "model" not in update_info:
-            update_info = {**update_info, "model": "draft"}
+        update_info = update_info_of(request)  # a list: every rank picks its own entry (Worker.update_weights)
+        if self._draft_update:
+            entries = update_info if isinstance(update_info, list) else [update_info]
+            entries = [entry if "model" in entry else {**entry, "model": "draft"} for entry in entries]
+            update_info = entries if isinstance(update_info, list) else entries[0]
         try:
             num_loaded = self.executor.rpc(Worker.update_weights, update_info)[OUTPUT_RANK]
         except WeightTransferError:

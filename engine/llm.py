@@ -9,6 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
+from engine.control import Control, Where, forward_controls, plain_arguments
 from engine.core_client import InprocClient
 from engine.engine_args import create_engine_config
 from engine.metrics.loggers import StatLoggerManager
@@ -18,6 +19,7 @@ from engine.processor import Processor, PromptType
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
+@forward_controls(asynchronous=False, include=lambda declared: declared.where in (Where.ENGINE, Where.WORKER))
 class LLM:
     """`LLM(model=DIR, **engine_args)`; argument names follow vLLM's where vLLM has one."""
 
@@ -149,8 +151,15 @@ class LLM:
         self.stat_loggers.on_requests_aborted(child_ids)
         self.engine_client.abort_requests(list(child_ids) if child_ids else req_ids)
 
-    def reset_prefix_cache(self) -> bool:
-        return self.engine_client.call_utility("reset_prefix_cache")
+    # ---- RL controls (engine/control.py): every control the engine implements, as vLLM's LLM has them ----
+    # sleep(level, mode), wake_up(tags) -> bool, reset_prefix_cache(reset_running_requests, reset_connector),
+    # collective_rpc, get_world_size(include_dp), and the weight-transfer lifecycle taking vLLM's request
+    # objects (init_weight_transfer_engine(request), update_weights(request), start_draft_weight_update...).
+    # generate() blocks, so no request is in flight when one of these runs.
+
+    def _forward_control(self, declared: Control, args: tuple) -> Any:
+        result = self.engine_client.call_utility(declared.name, *plain_arguments(declared, args))
+        return None if declared.signature.return_annotation is type(None) else result
 
     # ---- metrics ----
 

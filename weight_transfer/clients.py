@@ -221,7 +221,9 @@ class ModelWeightSyncClient(WeightSyncClient):
             if name == "model":
                 value = self.model
             elif name == "request" and method in ("init_weight_transfer_engine", "update_weights"):
-                value = {**value, "model": self.model}  # a plain dict here: _forward_control unwrapped it
+                # plain here (_forward_control unwrapped vLLM's request): a dict, or vLLM's list of one per worker
+                value = ([{**v, "model": self.model} for v in value] if isinstance(value, list)
+                         else {**value, "model": self.model})
             aimed.append(value)
         return self.client._call(method, *aimed, *args[len(aimed):])
 

@@ -383,7 +383,13 @@ class Worker:
     def start_weight_update(self) -> None:
         self.weight_updaters.start_update()
 
-    def update_weights(self, update_info: dict) -> int:
+    def update_weights(self, update_info: dict | list[dict]) -> int:
+        """update_info, or this rank's entry of vLLM's per-worker list (data_parallel_rank * tp + rank)."""
+        if isinstance(update_info, list):
+            index = self.config.parallel.data_parallel_rank * self.config.parallel.tensor_parallel_size + self.rank
+            if index >= len(update_info):
+                raise ValueError(f"update_info: the list has {len(update_info)} entries; worker {index} has none")
+            update_info = update_info[index]
         return self.weight_updaters.update_weights(update_info)
 
     def finish_weight_update(self) -> None:

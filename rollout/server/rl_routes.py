@@ -13,6 +13,7 @@ API key like the OpenAI routes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import types
@@ -25,6 +26,7 @@ from fastapi import APIRouter, Query
 
 from engine.control import CONTROLS, Control, arg_info
 from engine.core_client import check_fault_tolerance_instruction
+from engine.metrics.rl import sleep_mode_operation_metrics, weight_operation_metrics
 from rollout.server.middleware import StrictJSONRoute
 from rollout.server.openapi import error_responses
 from rollout.server.protocol import RequestModel, ResponseModel
@@ -131,7 +133,8 @@ async def _answer(engine, declared: Control, args: tuple, arguments: dict[str, A
     """The JSON answer: the route's `answer` of the result, or the constant keys, the echoed arguments,
     the result under the route's field (or a dict result as is), then each `then` control's answer."""
     route = declared.route
-    result = await getattr(engine, declared.name)(*args)
+    with _timed(route):
+        result = await getattr(engine, declared.name)(*args)
     if route.answer is not None:
         return route.answer(result, arguments)
     answer = dict(route.constant)
@@ -141,6 +144,15 @@ async def _answer(engine, declared: Control, args: tuple, arguments: dict[str, A
     for name in route.then:
         _join(answer, CONTROLS[name].route.field, await getattr(engine, name)())
     return answer
+
+
+def _timed(route):
+    """vLLM's operation metrics around the call (engine/metrics/rl.py), or nothing for an untimed route."""
+    if route.metric is None:
+        return contextlib.nullcontext()
+    family, operation = route.metric
+    metrics = weight_operation_metrics() if family == "weight" else sleep_mode_operation_metrics()
+    return metrics.record(operation)
 
 
 def _join(answer: dict[str, Any], field: str | None, result: Any) -> None:

@@ -13,6 +13,7 @@ import pytest
 from engine.async_llm import AsyncLLM
 from engine.control import CONTROLS, Combine, Control, Route, Where, forward_controls
 from engine.engine_core import EngineCore
+from engine.llm import LLM
 from engine.worker.worker import Worker
 from rollout.group import RolloutGroup
 from rollout.server.elastic_routes import elastic_router
@@ -58,6 +59,8 @@ LAYERS = [
     Layer(EngineCore, False, lambda c: c.where in (Where.ENGINE, Where.WORKER), check_returns=False, exact=False),
     # What the workers implement, EngineCore forwards (forward_controls); the answer is a rank's.
     Layer(Worker, False, lambda c: c.where is Where.WORKER, check_returns=False, exact=False),
+    # The offline LLM: what the engine implements (vLLM's LLM has sleep, wake_up, the weight lifecycle...).
+    Layer(LLM, False, lambda c: c.where in (Where.ENGINE, Where.WORKER), exact=False),
     Layer(AsyncLLM, True, lambda c: True),
     Layer(RolloutGroup, True, lambda c: True),
     Layer(RolloutWorker, False, lambda c: True),

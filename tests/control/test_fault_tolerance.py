@@ -191,7 +191,7 @@ def test_async_llm_fault_retry_cycle(tiny_checkpoint, reference):
         return outputs
 
     async def main():
-        assert await llm.fault_tolerance_status() == {"status": "healthy", "enabled": True}
+        assert await llm.fault_tolerance_status() == _status("healthy")
         started = [asyncio.Event() for _ in range(3)]
         long = [
             asyncio.create_task(generate(p, LONG, f"long{i}", started[i]))
@@ -203,15 +203,17 @@ def test_async_llm_fault_retry_cycle(tiny_checkpoint, reference):
             final = (await task)[-1]
             assert final.finished and final.outputs[0].finish_reason == "error"
             assert "InjectedFault" in final.outputs[0].stop_reason
-        assert await llm.fault_tolerance_status() == {"status": "unhealthy", "enabled": True}
+        assert await llm.fault_tolerance_status() == _status("unhealthy")
         assert llm.engine_status == EngineStatus.UNHEALTHY
         refused = (await generate(_prompts(1)[0], SHORT, "late"))[-1]
         assert refused.outputs[0].finish_reason == "error"
         with pytest.raises(ValueError):
             await llm.apply_fault_tolerance_instruction("reboot")
+        with pytest.raises(ValueError, match="params"):
+            await llm.apply_fault_tolerance_instruction("retry", params=["x"])
 
         await llm.apply_fault_tolerance_instruction("retry")
-        assert await llm.fault_tolerance_status() == {"status": "healthy", "enabled": True}
+        assert await llm.fault_tolerance_status() == _status("healthy")
         results = await asyncio.gather(*(generate(p, SHORT, f"ok{i}") for i, p in enumerate(_prompts(3))))
         assert {f"ok{i}": r[-1].outputs[0].token_ids for i, r in enumerate(results)} == reference
         assert llm.engine_status == EngineStatus.HEALTHY
@@ -220,3 +222,9 @@ def test_async_llm_fault_retry_cycle(tiny_checkpoint, reference):
         asyncio.run(main())
     finally:
         llm.shutdown()
+
+
+def _status(status: str) -> dict:
+    """vLLM's /fault_tolerance/status body of one engine, with our worst status and enabled flag."""
+    return {"schema_version": 1, "total_engines": 1, "engines": [{"id": 0, "status": status}],
+            "status": status, "enabled": True}

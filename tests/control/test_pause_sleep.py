@@ -314,7 +314,7 @@ def test_sleep_0_freezes_scheduling_only(core):
     results = Results()
     results.add(core.step())
     kv_refs = _storage_refs(layer.kv_cache for layer in core.executor.worker.attn_layers)
-    core.sleep(0)
+    core.sleep(0, mode="keep")  # vLLM's default mode, "abort", would end them
     assert core.is_sleeping() and _alive(kv_refs) == len(kv_refs)
     assert results.add(core.step()) == 0
     with pytest.raises(EngineNotReadyError, match="asleep"):
@@ -325,6 +325,18 @@ def test_sleep_0_freezes_scheduling_only(core):
     assert not core.is_sleeping()
     _run(core, results)
     assert {i: results.tokens[r] for i, r in enumerate(req_ids)} == reference
+
+
+def test_sleep_0_in_abort_mode_ends_the_requests_in_flight(core):
+    """vLLM's sleep(level=0) default, mode "abort": in-flight requests end (finish reason abort)."""
+    _add_all(core, "y")
+    core.step()
+    core.sleep(0)
+    aborted = [o for o in core.step().outputs if o.finish_reason is not None]
+    assert aborted and all(o.finish_reason == FinishReason.ABORT for o in aborted)
+    assert not core.has_unfinished_requests()
+    core.wake_up()
+    assert not core.is_sleeping()
 
 
 def test_bad_arguments_raise_value_error_naming_them_and_change_nothing(core):

@@ -60,15 +60,19 @@ def test_fault_then_retry_recovers(launch_server):
     assert sorted(results) == [0, 1] and all(_failed(r) for r in results.values()), [r.text for r in results.values()]
 
     status = httpx.get(url + "/fault_tolerance/status").json()
-    assert status == {"status": "unhealthy", "enabled": True}
+    assert status == {"schema_version": 1, "total_engines": 1, "engines": [{"id": 0, "status": "unhealthy"}],
+                      "status": "unhealthy", "enabled": True}
     refused = httpx.post(url + "/v1/completions", json=SHORT, timeout=60)
     assert refused.status_code != 200 or refused.json()["choices"][0]["finish_reason"] == "error"
 
     bad = httpx.post(url + "/fault_tolerance/apply", json={"instruction": "reboot"}, timeout=30)
     assert bad.status_code == 400 and "instruction" in bad.json()["error"]["message"]
-    applied = httpx.post(url + "/fault_tolerance/apply", json={"instruction": "retry"}, timeout=60)
-    assert applied.status_code == 202 and applied.json()["status"] == "healthy"
-    assert httpx.get(url + "/fault_tolerance/status").json()["status"] == "healthy"
+    applied = httpx.post(url + "/fault_tolerance/apply", json={"instruction": "retry", "params": {}}, timeout=60)
+    assert applied.status_code == 202 and set(applied.json()) == {"message", "request_id"}  # vLLM's: at once
+    deadline = time.monotonic() + 60  # the retry runs in the background: poll the status, as vLLM's clients do
+    while httpx.get(url + "/fault_tolerance/status").json()["status"] != "healthy" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert httpx.get(url + "/fault_tolerance/status").json()["engines"] == [{"id": 0, "status": "healthy"}]
     again = httpx.post(url + "/v1/completions", json=SHORT, timeout=60)
     assert again.status_code == 200 and again.json()["choices"][0]["text"] == before
     assert httpx.get(url + "/health").status_code == 200

@@ -51,7 +51,8 @@ def _state(http) -> tuple[bool, bool]:
 
 def _greedy(http, prompt, max_tokens=8) -> dict:
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
-                                            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
+                                            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
+                                            "return_weight_versions": True})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
 
@@ -363,7 +364,7 @@ def test_weight_update_over_http_matches_hf_with_the_new_weights(http, tiny_chec
     assert "checksums" in http.post("/weight_checker").json()
     after = _greedy(http, prompt_ids, 12)
     assert after["token_ids"] == hf_greedy(other_dir, prompt_ids, 12) != before
-    assert after["weight_versions"] == [["v1", 0, 12]]
+    assert after["weight_versions"] == [{"version": "v1", "start": 0, "end": 12}]
 
     # A bad update (unknown name, wrong shape) is a 400 and the new weights keep serving.
     name, tensor = next(iter(new.items()))
@@ -382,7 +383,7 @@ def test_weight_update_over_http_matches_hf_with_the_new_weights(http, tiny_chec
     local_update_over_http(http, original, "v2")  # back to what the other tests expect
     assert http.post("/weight_checker", json={"baseline": hf_state_checksums(original)}).json()["match"] is True
     restored = _greedy(http, prompt_ids, 12)
-    assert restored["token_ids"] == before and restored["weight_versions"] == [["v2", 0, 12]]
+    assert restored["token_ids"] == before and restored["weight_versions"] == [{"version": "v2", "start": 0, "end": 12}]
 
     # Each lifecycle call's duration lands in the histogram, by operation.
     from prometheus_client.parser import text_string_to_metric_families
@@ -428,6 +429,14 @@ def test_shutdown_weight_transfer_engine_requires_a_new_init(http):
     # Without a transfer engine the lifecycle refuses to start, and says why.
     refused = http.post("/start_weight_update")
     _assert_error(refused, 400, "init_weight_transfer_engine")
+    # The routes time their calls under vLLM's family, by operation, the refused one included (as vLLM's do).
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        if family.name == "vllm:rl_weight_update_operation_duration_seconds":
+            counts = {s.labels["operation"]: s.value for s in family.samples if s.name.endswith("_count")}
+    assert all(counts.get(op, 0) >= 1 for op in ("init", "shutdown", "start")), counts
 
 
 def test_vllm_elastic_ep_routes_on_a_single_engine(http):
