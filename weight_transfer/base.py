@@ -132,6 +132,10 @@ class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
         # WeightTransferConfig.weight_transfer_allow_pickled_ipc_handles, set by the worker before init_transfer:
         # whether vLLM's pickled ipc handles may be read (only the ipc backend has any).
         self.allow_pickled_ipc_handles = False
+        # WeightTransferConfig.weight_transfer_allowed_hosts (engine.allowed_hosts.AllowedHosts), set by the
+        # worker before init_transfer, for an address a backend learns only while it connects (nccl: the
+        # NCCL bootstrap address inside the unique id read from the trainer's store). None: no check.
+        self.allowed_hosts = None
 
     def bind_worker(self, worker_rank: int, workers_per_engine: int) -> None:
         """Called once, before init_transfer, with this worker's rank among its engine's workers and

@@ -245,8 +245,15 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo
             )
 
     def rendezvous(self, init_info: NCCLInitInfo) -> Rendezvous:
-        if init_info.master_address is None:  # vLLM's unique-id mode: nothing to connect to but NCCL's own sockets
-            return Rendezvous(init_info.timeout_s, "the trainer's NCCL rank 0 (nccl_unique_id_b64)")
+        if init_info.master_address is None:  # vLLM's unique-id mode: NCCL connects to the id's bootstrap address
+            from weight_transfer import vllm_nccl
+
+            address = vllm_nccl.unique_id_address(vllm_nccl.decode_unique_id_b64(init_info.nccl_unique_id_b64))
+            if address is None and self.allowed_hosts is not None and not self.allowed_hosts.any_host:
+                raise ValueError("init_info.nccl_unique_id_b64: its NCCL bootstrap address cannot be read, so it "
+                                 "cannot be checked against weight_transfer_allowed_hosts (allow '*' to skip)")
+            return Rendezvous(init_info.timeout_s, f"the trainer's NCCL rank 0 at {address} (nccl_unique_id_b64)",
+                              address, "init_info.nccl_unique_id_b64")
         # The store (then the group on it) at master_address: the address the worker checks first.
         peer = host_port(init_info.master_address, init_info.master_port)
         return Rendezvous(init_info.timeout_s, f"the trainer's TCPStore at {peer}", init_info.master_address,
@@ -265,6 +272,9 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLInitInfo, NCCLUpdateInfo
                 store = connect_store(init_info.master_address, init_info.master_port, init_info.timeout_s,
                                       world_size=init_info.world_size)
                 unique_id = vllm_nccl.read_unique_id(store, init_info.timeout_s)
+                # The store named where NCCL connects next: that address too must be an allowed host.
+                vllm_nccl.check_unique_id_address(unique_id, self.allowed_hosts,
+                                                  "the trainer's TCPStore key broadcast_from/0/0")
             self.group = vllm_nccl.VllmNcclGroup(unique_id, rank=rank, world_size=init_info.world_size,
                                                  device=self.device, timeout_s=init_info.timeout_s)
             self.info, self.rank, self.store, self.keys = init_info, rank, store, None

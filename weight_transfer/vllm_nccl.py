@@ -116,6 +116,40 @@ def unique_id_pickle(unique_id: bytes) -> bytes:
     ])
 
 
+def unique_id_address(unique_id: bytes) -> str | None:
+    """The IP address NCCL's other ranks connect to for this id (rank 0's bootstrap socket), or None.
+
+    An ncclUniqueId is NCCL's bootstrap handle: a 64-bit magic, then the root's socket address
+    (struct sockaddr_in / sockaddr_in6: family in host order, port and address in network
+    order). None when the family is neither AF_INET nor AF_INET6 (a layout this does not know).
+    """
+    import ipaddress
+    import socket
+
+    raw = _check_id(unique_id)
+    family = int.from_bytes(raw[8:10], "little")
+    if family == socket.AF_INET:
+        return str(ipaddress.IPv4Address(raw[12:16]))
+    if family == socket.AF_INET6:
+        return str(ipaddress.IPv6Address(raw[16:32]))
+    return None
+
+
+def check_unique_id_address(unique_id: bytes, allowed_hosts, where: str) -> None:
+    """The id's bootstrap address against the engine's weight_transfer_allowed_hosts (ValueError naming
+    `where`): joining NCCL connects there, whatever master_address said. An id whose address cannot be
+    read passes only when every host is allowed."""
+    if allowed_hosts is None:
+        return
+    address = unique_id_address(unique_id)
+    if address is None:
+        if not allowed_hosts.any_host:
+            raise ValueError(f"{where}: cannot read the NCCL unique id's bootstrap address to check it against "
+                             "weight_transfer_allowed_hosts (allow '*' to skip the check)")
+        return
+    allowed_hosts.check(address, f"{where} (the NCCL bootstrap address it carries)")
+
+
 def read_unique_id(store, timeout_s: float) -> bytes:
     """Waits (at most timeout_s) for vLLM's trainer to publish its unique id in its store, and reads it."""
     try:

@@ -123,6 +123,7 @@ class WeightUpdater:
         engine.bind_worker(tp.rank, tp.size)  # every tensor-parallel worker receives the full tensors itself
         engine.bind_model(self.model)
         engine.allow_pickled_ipc_handles = self.allow_pickled_ipc_handles
+        engine.allowed_hosts = self.allowed_hosts  # nccl: the bootstrap address inside a unique id, when it is read
         return PendingInit(engine, engine.parse_init_info(init_info), backend, self.allowed_hosts, self.device)
 
     def install_transfer_engine(self, pending: PendingInit) -> None:

@@ -97,8 +97,50 @@ def test_vllm_sparse_trainer_init_payload_parses_as_vllm_parses_it(vllm_sparse, 
     assert ours.packed is False  # vLLM's worker default, and sparse is never packed
 
 
+def _unique_id(ip: str = "127.0.0.1", port: int = 40123) -> bytes:
+    """An ncclUniqueId as NCCL lays it out: a magic, then rank 0's bootstrap sockaddr (the rest random)."""
+    import ipaddress
+    import socket
+    import struct
+
+    address = ipaddress.ip_address(ip)
+    if address.version == 4:
+        sockaddr = struct.pack("<H", socket.AF_INET) + struct.pack(">H", port) + address.packed
+    else:
+        sockaddr = struct.pack("<H", socket.AF_INET6) + struct.pack(">H", port) + b"\0" * 4 + address.packed
+    head = os.urandom(8) + sockaddr
+    return head + os.urandom(vllm_nccl.UNIQUE_ID_BYTES - len(head))
+
+
+def test_unique_id_bootstrap_address_is_checked_against_the_allowed_hosts():
+    from engine.allowed_hosts import AllowedHosts
+
+    loopback = AllowedHosts.parse(["127.0.0.1", "::1", "localhost"])
+    assert vllm_nccl.unique_id_address(_unique_id("10.1.2.3")) == "10.1.2.3"
+    assert vllm_nccl.unique_id_address(_unique_id("fd00::7")) == "fd00::7"
+    unknown = b"\0" * 8 + b"\x63\x00" + os.urandom(118)  # family 99
+    assert vllm_nccl.unique_id_address(unknown) is None
+    where = "the trainer's TCPStore key broadcast_from/0/0"
+    vllm_nccl.check_unique_id_address(_unique_id("127.0.0.1"), loopback, where)
+    with pytest.raises(ValueError, match=r"broadcast_from/0/0 \(the NCCL bootstrap address it carries\): 10.1.2.3"):
+        vllm_nccl.check_unique_id_address(_unique_id("10.1.2.3"), loopback, where)
+    with pytest.raises(ValueError, match="cannot read the NCCL unique id's bootstrap address"):
+        vllm_nccl.check_unique_id_address(unknown, loopback, where)
+    vllm_nccl.check_unique_id_address(unknown, AllowedHosts.parse(["*"]), where)
+    # The base64 mode names the address before anything connects: the worker checks Rendezvous.host.
+    engine = _cuda_engine()
+    payload = {"nccl_unique_id_b64": vllm_nccl.encode_unique_id_b64(_unique_id("10.1.2.3")), "rank_offset": 1,
+               "world_size": 2}
+    rendezvous = engine.rendezvous(engine.parse_init_info(payload))
+    assert (rendezvous.host, rendezvous.where) == ("10.1.2.3", "init_info.nccl_unique_id_b64")
+    engine.allowed_hosts = loopback
+    payload["nccl_unique_id_b64"] = vllm_nccl.encode_unique_id_b64(unknown)
+    with pytest.raises(ValueError, match="init_info.nccl_unique_id_b64: its NCCL bootstrap address cannot be read"):
+        engine.rendezvous(engine.parse_init_info(payload))
+
+
 def test_vllm_unique_id_init_payload_parses_as_vllm_parses_it(vllm_nccl_common):
-    uid = os.urandom(vllm_nccl.UNIQUE_ID_BYTES)
+    uid = _unique_id("127.0.0.1")
     info = vllm_nccl_common.NCCLWeightTransferInitInfo(nccl_unique_id_b64=base64.b64encode(uid).decode(),
                                                        rank_offset=1, world_size=2, packed=True)
     payload = vllm_nccl_common.worker_init_payload(info)
@@ -107,7 +149,7 @@ def test_vllm_unique_id_init_payload_parses_as_vllm_parses_it(vllm_nccl_common):
     ours = engine.parse_init_info(payload)
     assert _ours_as_vllm(ours) == _vllm_parsed_init(vllm_nccl_common, payload)
     assert vllm_nccl.decode_unique_id_b64(ours.nccl_unique_id_b64) == info.nccl_unique_id_bytes == uid
-    assert engine.rendezvous(ours).host is None  # connects to no store
+    assert engine.rendezvous(ours).host == "127.0.0.1"  # no store: NCCL's bootstrap address, checked first
 
 
 @pytest.mark.parametrize(
