@@ -453,3 +453,24 @@ def test_our_sparse_trainer_vllm_wire_fits_vllms_dataclass_and_our_engine(vllm_s
         "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2})
     engine.group = _Joined()
     assert engine.parse_update_info(update_info).nnz == [2, 6]
+
+
+@pytest.mark.slow
+def test_rollout_launch_takes_vllms_flag_and_payload(launch_server, tiny_checkpoint, vllm_nccl_engine):
+    """A real `rollout launch --weight-transfer-config`: vLLM's init_info (no backend) reaches the nccl
+    backend and its vLLM rendezvous, which a CPU engine refuses naming why (a 400, nothing changed);
+    another backend than the flag's is refused as before."""
+    import httpx
+
+    server = launch_server(tiny_checkpoint("llama"), "--enable-rl-routes",
+                           "--weight-transfer-config", '{"backend": "nccl"}')
+    payload = vllm_nccl_engine.NCCLTrainerWeightTransferEngine._build_worker_init_payload(
+        vllm_nccl_engine.NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=29516, world_size=2, rank=0))
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        r = client.post("/init_weight_transfer_engine", json={"init_info": payload})
+        assert r.status_code == 400 and "needs a CUDA engine" in r.text, r.text
+        r = client.post("/init_weight_transfer_engine", json={"init_info": {**payload, "backend": "ipc"}})
+        assert r.status_code == 400 and "this server takes weight_transfer_backend 'nccl'" in r.text, r.text
+        bad = {**payload, "nccl_unique_id_b64": base64.b64encode(b"x" * 128).decode()}
+        r = client.post("/init_weight_transfer_engine", json={"init_info": bad})
+        assert r.status_code == 400 and "not both" in r.text, r.text
