@@ -19,7 +19,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal, get_args
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 WeightOperation = Literal["init", "shutdown", "start", "start_draft", "update", "finish"]
 SleepModeOperation = Literal["sleep", "release_kv_cache_memory", "wake"]
@@ -32,6 +40,10 @@ OPERATION_BUCKETS = (0.01, 0.1, 1.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 FRONTEND_REGISTRY = CollectorRegistry()
 """The process's frontend-wide families (this module's); engines' families are in their own registries."""
+# prometheus_client's process_*, python_gc_* and python_info families, which vLLM's /metrics has too
+# (its default registry carries them): the serving process's CPU time, memory, open fds, GC.
+for _collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+    FRONTEND_REGISTRY.register(_collector)
 
 
 class OperationMetrics:
@@ -98,7 +110,7 @@ def sleep_mode_operation_metrics() -> OperationMetrics:
 
 
 def frontend_metrics_text() -> bytes:
-    """FRONTEND_REGISTRY in the Prometheus text format (empty until a family is first used, as in vLLM)."""
+    """FRONTEND_REGISTRY in the Prometheus text format (the RL families appear on first use, as in vLLM)."""
     return generate_latest(FRONTEND_REGISTRY)
 
 

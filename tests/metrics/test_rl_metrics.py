@@ -41,6 +41,7 @@ def test_process_wide_families_appear_in_frontend_text():
     with rl.sleep_mode_operation_metrics().record("wake"):
         pass
     families = {f.name: f for f in text_string_to_metric_families(rl.frontend_metrics_text().decode())}
+    assert families["process_cpu_seconds"].type == "counter"  # prometheus_client's, as on vLLM's /metrics
     hist = families["vllm:rl_weight_update_operation_duration_seconds"]
     assert hist.type == "histogram"
     bounds = [float(s.labels["le"]) for s in hist.samples if s.name.endswith("_bucket") and s.labels["operation"] == "init"]
