@@ -110,6 +110,7 @@ def bench_shape(shape: str, args, h2d: float, d2h: float) -> list[dict]:
     batches = {n: [torch.randint(10, 150000, (190,), generator=gen).tolist() for _ in range(n)]
                for n in args.batch_sizes}
     torch.cuda.init()
+    torch.cuda.empty_cache()  # what an earlier shape left cached is not this engine's
     used_before_engine = device_used()
     core = EngineCore(create_engine_config(
         model=path, max_model_len=1024, device="cuda", max_num_seqs=max(args.batch_sizes),

@@ -115,6 +115,11 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, attention_cls, None if make_mlp is None else make_mlp(config, i))
             for i in range(config.num_hidden_layers)
         )
+        # One cos/sin cache for all layers (same positions, same frequencies): per layer it is
+        # max_position_embeddings x head_dim floats twice, 21 MiB for Qwen3's 40960 positions, 0.6 GiB in all.
+        shared_rope = self.layers[0].self_attn.rotary_emb
+        for layer in self.layers[1:]:
+            layer.self_attn.rotary_emb = shared_rope
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

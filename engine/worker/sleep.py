@@ -184,11 +184,8 @@ class WorkerSleeper:
         """Weights before KV cache; without fixed addresses, graphs are captured again once both are back."""
         start = time.perf_counter()
         woke = set(tags) & self.asleep
-        if self.fixed:  # both regions mapped first, so that the weights' copy runs beside the KV cache's zeroing
-            if "weights" in woke:
-                self.worker.weight_region.restore()
-            if "kv_cache" in woke:
-                self.worker.kv_region.restore()
+        # Fixed addresses: the weights' copy is queued first, so that mapping the KV cache's pages (host work)
+        # and zeroing them (on the SMs) run while the copy engine moves the weights.
         if "weights" in woke:
             self._restore_weights()
         if "kv_cache" in woke:
@@ -204,7 +201,8 @@ class WorkerSleeper:
     @torch.no_grad()
     def _restore_weights(self) -> None:
         if self.fixed:
-            region = self.worker.weight_region  # mapped again by wake_up
+            region = self.worker.weight_region
+            region.restore()
             if self.level == 1:  # on a side stream: the copy engine moves the weights while the SMs zero the KV cache
                 num_bytes = self._weight_bytes()
                 current = torch.cuda.current_stream(self.device)
@@ -240,7 +238,8 @@ class WorkerSleeper:
 
     def _restore_kv_cache(self) -> None:
         worker = self.worker
-        if self.fixed:  # mapped again by wake_up
+        if self.fixed:
+            worker.kv_region.restore()
             worker.kv_region.tensor.zero_()  # never-written slots hold finite values, as at start-up
             return
         for layer, (shape, dtype) in zip(worker.attn_layers, self.kv_shapes, strict=True):
