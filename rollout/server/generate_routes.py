@@ -174,7 +174,7 @@ def _token_logprobs(token_ids, positions) -> GenerateLogProbs:
 def generate_router(state) -> APIRouter:
     """The route over the server's state (rollout/server/app.py's ServerState)."""
     from rollout.server.app import _open_streams, _request_id, _generate_all, _routed_experts, _sse_error, _streaming_response
-    from rollout.server.app import _ChoiceStream
+    from rollout.server.app import _STREAM, _ChoiceStream
 
     router = APIRouter(route_class=StrictJSONRoute)
     engine = state.engine
@@ -229,7 +229,8 @@ def generate_router(state) -> APIRouter:
             yield _sse_error(e)
         yield F.SSE_DONE
 
-    @router.post("/inference/v1/generate", response_model=GenerateResponse, responses=error_responses(404, 503))
+    @router.post("/inference/v1/generate", response_model=GenerateResponse,
+                 responses={**error_responses(404, 503), 200: {"content": _STREAM}})
     async def generate(body: GenerateRequest, request: Request):
         state.check_model(body.model)
         body.check_supported()
