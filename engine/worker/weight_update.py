@@ -124,7 +124,13 @@ class WeightUpdater:
         engine.bind_model(self.model)
         engine.allow_pickled_ipc_handles = self.allow_pickled_ipc_handles
         engine.allowed_hosts = self.allowed_hosts  # nccl: the bootstrap address inside a unique id, when it is read
-        return PendingInit(engine, engine.parse_init_info(init_info), backend, self.allowed_hosts, self.device)
+        try:
+            parsed = engine.parse_init_info(init_info)
+        except ValueError as e:
+            if "backend" in init_info:
+                raise
+            raise ValueError(f"{e} (init_info.backend: not given, so nccl, vLLM's default)") from None
+        return PendingInit(engine, parsed, backend, self.allowed_hosts, self.device)
 
     def install_transfer_engine(self, pending: PendingInit) -> None:
         """Makes a ready PendingInit's transfer engine this model's; the previous one is shut down."""
