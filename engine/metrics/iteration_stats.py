@@ -75,6 +75,7 @@ class IterationStats:
     # most tokens any of its n sequences generated.
     n_params: list[int] = field(default_factory=list)
     max_num_generation_tokens: list[int] = field(default_factory=list)
+    weight_version: str | None = None  # the weight version that computed this step's tokens (None: no tokens)
 
     @property
     def num_computed_prompt_tokens(self) -> int:
@@ -172,6 +173,8 @@ class IterationStatsRecorder:
                 state.last_token_time = engine_time
                 state.last_seen_time = now
                 stats.num_generation_tokens += num_new
+                # Only a step's outputs carry the engine's version (a utility answer's says "default").
+                stats.weight_version = outputs.weight_version
             if out.finish_reason is not None:
                 self._finish(out.request_id, str(out.finish_reason), now, stats)
         for req_id in stopped_req_ids:

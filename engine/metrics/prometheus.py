@@ -214,6 +214,11 @@ class PrometheusStatLogger(StatLoggerBase):
             "on one engine, seen by its frontend.",
             WEIGHT_UPDATE_BUCKETS, ["operation"], prefix=PREFIX,
         )  # fmt: skip
+        self.weight_version_info = Gauge(
+            PREFIX + "weight_version_info", "The weight version an engine computes with (label weight_version; value 1).",
+            LABELS + ["weight_version"], registry=self.registry,
+        )  # fmt: skip
+        self._weight_versions: dict[int, str] = {}  # engine -> the version its weight_version_info series shows
         self.cache_config_info: Gauge | None = None  # made by log_engine_initialized, once the cache is sized
         # Only in a registry whose engine speculates (or once speculation stats arrive), as in vLLM.
         self._counter = counter
@@ -222,7 +227,7 @@ class PrometheusStatLogger(StatLoggerBase):
 
         # Each engine's labelled series, made once: labels() costs a lookup under a lock, and a
         # step records into ~25 series (plus ~12 per finished request). Valid while no series is
-        # ever removed from a metric (nothing calls remove() or clear()).
+        # ever removed from a metric (only weight_version_info's series are, and they are not cached here).
         self._series: dict[int, SimpleNamespace] = {}
         for reason in ADMISSION_REASONS.values():  # listed at 0 before the first refusal, as in vLLM
             self.admission_rejections.labels(model_name, reason)
@@ -312,6 +317,8 @@ class PrometheusStatLogger(StatLoggerBase):
             e.prompt_tokens_by_source["local_cache_hit"].inc(it.num_cached_prompt_tokens)
             e.prompt_tokens_cached.inc(it.num_cached_prompt_tokens)
             e.generation_tokens.inc(it.num_generation_tokens)
+            if it.weight_version is not None and self._weight_versions.get(engine_index) != it.weight_version:
+                self._set_weight_version(engine_index, it.weight_version)
             e.iteration_tokens.observe(it.num_computed_prompt_tokens + it.num_generation_tokens)
             if it.time_to_first_tokens:
                 observe_all(e.time_to_first_token, it.time_to_first_tokens)
@@ -338,6 +345,15 @@ class PrometheusStatLogger(StatLoggerBase):
                 e.request_num_preemptions.observe(req.num_preemptions)
                 if req.max_tokens:
                     e.request_params_max_tokens.observe(req.max_tokens)
+
+    def _set_weight_version(self, engine_index: int, version: str) -> None:
+        """One series per engine, for its current version: the previous version's series goes."""
+        labels = (self.model_name, str(engine_index))
+        previous = self._weight_versions.get(engine_index)
+        if previous is not None:
+            self.weight_version_info.remove(*labels, previous)
+        self.weight_version_info.labels(*labels, version).set(1)
+        self._weight_versions[engine_index] = version
 
     def record_admission_rejection(self, reason: str, engine_index: int = 0) -> None:
         self.admission_rejections.labels(self.model_name, ADMISSION_REASONS.get(reason, reason)).inc()

@@ -98,3 +98,17 @@ def test_sleep_state_follows_sleep_and_wake_up(server):
     _, awake = scrape(server)
     assert value(awake, "vllm:engine_sleep_state", "vllm:engine_sleep_state", sleep_state="awake") == 1
     assert value(awake, "vllm:engine_sleep_state", "vllm:engine_sleep_state", sleep_state="weights_offloaded") == 0
+
+
+def test_weight_version_info_follows_the_served_version(server):
+    def versions() -> dict[str, float]:
+        _, families = scrape(server)
+        return {s.labels["weight_version"]: s.value for s in families["rollout:weight_version_info"].samples}
+
+    body = {"model": SERVED, "prompt": "Hello", "max_tokens": 2, "ignore_eos": True}
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code == 200
+    assert versions() == {"default": 1}
+    r = httpx.post(server.url + "/update_weight_version", json={"new_version": "step-7"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code == 200
+    assert versions() == {"step-7": 1}  # one series per engine: the old version's is gone

@@ -183,7 +183,8 @@ def test_our_own_families_keep_the_rollout_prefix(our_families, tiny_checkpoint)
     config = create_engine_config(model=tiny_checkpoint(), device="cpu", max_model_len=MAX_MODEL_LEN)
     text = StatLoggerManager(config, "tiny").prometheus_text().decode()
     ours = {f.name for f in text_string_to_metric_families(text) if f.name.startswith("rollout:")}
-    assert ours == {"rollout:engine_paused", "rollout:engine_sleep_level", "rollout:weight_update_duration_seconds"}
+    assert ours == {"rollout:engine_paused", "rollout:engine_sleep_level", "rollout:weight_update_duration_seconds",
+                    "rollout:weight_version_info"}  # fmt: skip
     # Nothing else but prometheus_client's process and Python families, which vLLM's /metrics has too.
     others = {f.name for f in text_string_to_metric_families(text) if not f.name.startswith(("vllm:", "rollout:"))}
     assert {"process_resident_memory_bytes", "python_info"} <= others
