@@ -82,8 +82,11 @@ def test_request_output_rebuilds_tokens_logprobs_and_versions_in_sample_order():
                 "prompt_token_ids": [7, 8], "token_ids": ids, "weight_versions": versions,
                 "logprobs": {"tokens": ["t"] * len(ids), "token_logprobs": lps, "top_logprobs": [], "text_offset": []}}
 
-    body = {"id": "cmpl-1", "choices": [choice(1, [9], [-0.5], [["v1", 0, 1]]),
-                                        choice(0, [4, 5], [-1.0, -2.0], [["v0", 0, 1], ["v1", 1, 2]])]}
+    def span(version, start, end):  # vLLM's return_weight_versions shape
+        return {"version": version, "start": start, "end": end}
+
+    body = {"id": "cmpl-1", "choices": [choice(1, [9], [-0.5], [span("v1", 0, 1)]),
+                                        choice(0, [4, 5], [-1.0, -2.0], [span("v0", 0, 1), span("v1", 1, 2)])]}
     out = request_output(body, "a prompt")
     assert out.prompt_token_ids == [7, 8] and out.finished and out.prompt == "a prompt"
     assert [c.index for c in out.outputs] == [0, 1]
