@@ -278,14 +278,22 @@ class EngineControls(Protocol):
         """Restores what sleep() freed (only `tags` when given); True once nothing sleeps. After sleep(2)
         the weights are the checkpoint's again, and so is the weight version."""
 
+    @control(Combine.ALL, route=Route(constant=(("status", "kv_cache_released"),),
+                                      metric=("sleep_mode", "release_kv_cache_memory")))
+    async def release_kv_cache_memory(self) -> None:
+        """Frees the KV cache's memory, the weights staying resident: needs a completed pause
+        (pause_generation "abort" or "wait") and every part awake (RuntimeError otherwise, as vLLM's).
+        The engine then sleeps until wake_up(["kv_cache"]) brings the cache back, empty."""
+
     @control(Combine.ANY, route=Route("GET", field="is_sleeping"))
     async def is_sleeping(self) -> bool:
         """True while anything is asleep (a group: on any engine)."""
 
     # ---- requests and caches
 
+    # vLLM's count: of the ids sent (running or not), or with none sent, of the requests that were in flight.
     @control(Combine.OWN, where=Where.FRONTEND, route=Route(answer=lambda ids, args: {
-        "status": "aborted", "aborted": len(ids)}, read=lambda answer: answer["aborted"]))
+        "status": "aborted", "aborted": len(args["request_ids"] or ids)}, read=lambda answer: answer["aborted"]))
     async def abort_requests(self, request_ids: Annotated[list[str] | None, Arg(
             "request ids to abort: a response's `id` (the i-th prompt of a batched completion is `id-i`); "
             "left out or empty: every request in flight")] = None) -> list[str]:

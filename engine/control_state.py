@@ -129,6 +129,12 @@ class ControlState:
         self.asleep = frozenset(tags_put_to_sleep(level))
         self._level = level
 
+    @_transition
+    def record_kv_cache_released(self) -> None:
+        """release_kv_cache_memory freed the KV cache (the weights stay): it sleeps, and so does scheduling."""
+        self.asleep = frozenset({"kv_cache", "scheduling"})
+        self._level = 0
+
     def plan_wake_up(self, tags: object) -> frozenset[str]:
         """The tags wake_up(tags) wakes: those asked for (None: all) that sleep.
 

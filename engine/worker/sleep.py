@@ -122,6 +122,24 @@ class WorkerSleeper:
         logger.info("Worker: asleep at level %d (%.3f s%s)", level, time.perf_counter() - start,
                     ", addresses kept" if self.fixed else "")
 
+    def release_kv_cache(self) -> None:
+        """Frees the KV cache alone, the weights staying resident (vLLM's release_kv_cache_memory);
+        wake_up(["kv_cache"]) brings it back zero-filled, with its shapes."""
+        if self.asleep:
+            raise RuntimeError("release_kv_cache_memory() requires all executor memory to be resident")
+        worker = self.worker
+        self.fixed = self._can_keep_addresses()
+        if self.fixed:
+            worker.synchronize()  # nothing queued may still read the pages unmapped here
+            worker.kv_region.release()
+        else:
+            worker.drop_cuda_graphs()  # they point at the KV tensors dropped here
+            self.kv_shapes = [(layer.kv_cache.shape, layer.kv_cache.dtype) for layer in worker.attn_layers]
+            for layer in worker.attn_layers:
+                layer.kv_cache = None
+        self.asleep = {"kv_cache"}
+        self._release_device_memory()
+
     @torch.no_grad()
     def _sleep_in_place(self, level: int) -> None:
         worker = self.worker

@@ -444,6 +444,10 @@ class Worker:
     def sleep(self, level: int) -> None:
         self.sleeper.sleep(level)
 
+    def release_kv_cache(self) -> None:
+        """The KV cache's memory goes, the weights stay (EngineCore.release_kv_cache_memory)."""
+        self.sleeper.release_kv_cache()
+
     def _region_bytes(self) -> int:
         """Device memory in the fixed-address regions (the caching allocator does not count it)."""
         return sum(r.size for r in (self.weight_region, self.kv_region) if r is not None)

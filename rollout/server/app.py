@@ -35,7 +35,7 @@ from rollout.server.middleware import (
     StrictJSONRoute,
 )
 from rollout.server.openapi import error_responses, install_openapi
-from rollout.server.rl_routes import control_routers
+from rollout.server.rl_routes import control_routers, server_info_router
 from rollout.server.streams import first_outputs, merge_streams, run_until_disconnect
 
 logger = logging.getLogger(__name__)
@@ -372,6 +372,7 @@ def build_app(engine: ServedEngine, server_config: ServerConfig, model_name: str
         app.include_router(routers["rl"])
         app.include_router(elastic_router(engine))
         app.include_router(vllm_elastic_router(engine))
+        app.include_router(server_info_router(engine))
     if engine.config.fault_tolerance.enable_fault_tolerance:
         app.include_router(routers["fault_tolerance"])
         if engine.config.fault_tolerance.enable_fault_injection:  # tests only

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
+import json
 import logging
+import os
 import types
 import uuid
 import typing
@@ -235,3 +238,32 @@ def _param(declared: Control, name: str) -> inspect.Parameter:
 
 def _camel(name: str) -> str:
     return "".join(part.capitalize() for part in name.split("_"))
+
+
+# ---- vLLM's /server_info (its dev router): what this server runs with ----------------------------
+
+
+def server_info_router(engine) -> APIRouter:
+    """GET /server_info?config_format=text|json -> {"vllm_config", "vllm_env", "system_env"}, vLLM's keys:
+    the engine's config (its dataclasses' repr, or as JSON), the environment settings (none: every setting is
+    a flag here, so the dict is empty) and the system's versions. Mounted with the RL routes."""
+    router = APIRouter(route_class=StrictJSONRoute, tags=["rl"])
+
+    @router.get("/server_info")
+    async def server_info(config_format: Literal["text", "json"] = Query("text")) -> dict[str, Any]:
+        config = engine.config
+        shown = str(config) if config_format == "text" else json.loads(json.dumps(dataclasses.asdict(config),
+                                                                                   default=str))
+        return {"vllm_config": shown, "vllm_env": {}, "system_env": await asyncio.to_thread(_system_env)}
+
+    return router
+
+
+def _system_env() -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    return {"torch_version": torch.__version__, "python_version": platform.python_version(),
+            "os": platform.platform(), "is_cuda_available": torch.cuda.is_available(),
+            "cuda_runtime_version": torch.version.cuda, "cpu_count": os.cpu_count()}

@@ -90,3 +90,24 @@ def test_update_weights_takes_vllms_per_worker_list_and_draft_needs_a_draft(llm,
     assert llm.get_weight_version() == "default"
     with pytest.raises(ValueError, match="update_info"):
         llm.update_weights({"update_info": []})
+
+
+def test_release_kv_cache_memory_needs_a_pause_and_wakes_with_the_kv_cache(llm):
+    before = _tokens(llm)
+    with pytest.raises(RuntimeError, match="requires a completed pause"):
+        llm.release_kv_cache_memory()
+    llm.pause_generation(mode="abort")
+    kv_refs = [layer.kv_cache for layer in llm.engine_core.executor.worker.attn_layers]
+    assert all(t is not None for t in kv_refs)
+    del kv_refs
+    try:
+        llm.release_kv_cache_memory()
+        assert llm.is_sleeping() is True
+        assert all(layer.kv_cache is None for layer in llm.engine_core.executor.worker.attn_layers)
+        with pytest.raises(RuntimeError, match="resident"):
+            llm.release_kv_cache_memory()
+        assert llm.wake_up(["kv_cache"]) is True
+        assert all(layer.kv_cache is not None for layer in llm.engine_core.executor.worker.attn_layers)
+    finally:
+        llm.resume_generation()
+    assert _tokens(llm) == before

@@ -188,8 +188,8 @@ def test_world_size_prefix_cache_and_abort_of_unknown_ids(http):
     assert r.status_code == 200 and r.json() == {"success": True}
     _assert_error(http.post("/reset_prefix_cache", params={"reset_running_requests": "maybe"}), 400,
                   "reset_running_requests")
-    r = http.post("/abort_requests", json={"request_ids": ["cmpl-nope"]})
-    assert r.status_code == 200 and r.json() == {"status": "aborted", "aborted": 0}
+    r = http.post("/abort_requests", json={"request_ids": ["cmpl-nope", "cmpl-nope-2"]})
+    assert r.status_code == 200 and r.json() == {"status": "aborted", "aborted": 2}  # vLLM counts the ids sent
     assert http.post("/abort_requests", json={}).json() == {"status": "aborted", "aborted": 0}  # all: none run
 
 
@@ -437,6 +437,30 @@ def test_shutdown_weight_transfer_engine_requires_a_new_init(http):
         if family.name == "vllm:rl_weight_update_operation_duration_seconds":
             counts = {s.labels["operation"]: s.value for s in family.samples if s.name.endswith("_count")}
     assert all(counts.get(op, 0) >= 1 for op in ("init", "shutdown", "start")), counts
+
+
+def test_release_kv_cache_memory_over_http(http):
+    """vLLM's /release_kv_cache_memory: 500 without a completed pause (vLLM's RuntimeError), then
+    {"status": "kv_cache_released"}; the engine sleeps until /wake_up?tags=kv_cache."""
+    before = _greedy(http, "A rollout is")["token_ids"]
+    assert http.post("/release_kv_cache_memory").status_code == 500
+    assert http.post("/pause", params={"mode": "wait"}).json() == {"status": "paused"}
+    try:
+        assert http.post("/release_kv_cache_memory").json() == {"status": "kv_cache_released"}
+        assert _state(http) == (True, True)
+        assert http.post("/wake_up", params={"tags": "kv_cache"}).json() == {"status": "awake", "tags": ["kv_cache"]}
+    finally:
+        http.post("/resume")
+    assert _state(http) == (False, False)
+    assert _greedy(http, "A rollout is")["token_ids"] == before
+
+
+def test_server_info_has_vllms_keys(http):
+    text = http.get("/server_info").json()
+    assert set(text) == {"vllm_config", "vllm_env", "system_env"} and "max_model_len" in text["vllm_config"]
+    as_json = http.get("/server_info", params={"config_format": "json"}).json()["vllm_config"]
+    assert as_json["model"]["max_model_len"] == http.post("/tokenize", json={"prompt": "a"}).json()["max_model_len"]
+    _assert_error(http.get("/server_info", params={"config_format": "yaml"}), 400, "config_format")
 
 
 def test_vllm_elastic_ep_routes_on_a_single_engine(http):
