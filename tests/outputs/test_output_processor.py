@@ -292,3 +292,17 @@ def test_routed_experts_follow_the_output_kind(tokenizer, kind):
         assert seen == [full[:4], full[:5], full]
     else:
         assert seen == [full]
+
+
+def test_routed_experts_prompt_start_leaves_out_the_first_prompt_rows(tokenizer):
+    proc = OutputProcessor(tokenizer)
+    add(proc, return_routed_experts=True, routed_experts_prompt_start=3, output_kind=RequestOutputKind.DELTA)
+    rows = lambda start, n: np.arange(start, start + n, dtype=np.int32).reshape(n, 1, 1)  # [n, 1, 1]
+    # The prompt's rows arrive over two chunks (chunked prefill: 2 then 2), then one per decode step.
+    steps = [(rows(0, 2), [], None), (rows(2, 2), [51], None), (rows(4, 1), [52], FinishReason.LENGTH)]
+    seen = []
+    for routed, ids, finish in steps:
+        for ro in proc.process_outputs([EngineCoreOutput("r", ids, new_routed_experts=routed,
+                                                         finish_reason=finish)]).request_outputs:
+            seen += ro.outputs[0].routed_experts
+    assert seen == rows(3, 2).tolist()  # rows 0..2 (the first 3 prompt positions) left out
