@@ -164,7 +164,7 @@ def _completion_choices(state: ServerState, body: P.CompletionRequest, outputs: 
                                                       out.prompt_logprobs, c, body.echo_only)
             logprobs = None
             if body.logprobs is not None and positions is not None:
-                logprobs = F.legacy_logprobs(state.engine, token_ids, positions)
+                logprobs = F.legacy_logprobs(state.engine, token_ids, positions, 0, body.return_tokens_as_token_ids)
             choices.append(
                 P.CompletionChoice(
                     index=prompt_index * body.n + c.index,
@@ -189,6 +189,7 @@ class _ChoiceStream:
     def __init__(self) -> None:
         self.offset = 0
         self.echoed = False
+        self.sent_prompt_ids = False
         self.num_tokens = 0
         self.spans: list[list] = []  # [version, start, end] over the whole output
         self.routed: list | None = None
@@ -214,7 +215,6 @@ async def _stream_completions(
     num_completion_tokens = 0
     try:
         async for prompt_index, out in merge_streams(gens, firsts):
-            first_of_prompt = prompt_index not in prompt_lens
             prompt_lens[prompt_index] = len(out.prompt_token_ids)
             if out.prompt_logprobs is not None:
                 prompt_logprobs.setdefault(prompt_index, out.prompt_logprobs)
@@ -233,9 +233,11 @@ async def _stream_completions(
                     continue  # the prompt alone was asked for, and it is sent
                 logprobs = None
                 if body.logprobs is not None and positions is not None:
-                    logprobs = F.legacy_logprobs(state.engine, token_ids, positions, cs.offset)
+                    logprobs = F.legacy_logprobs(state.engine, token_ids, positions, cs.offset,
+                                                 body.return_tokens_as_token_ids)
                 cs.offset = F.next_text_offset(logprobs, cs.offset, text)
                 last = c.finish_reason is not None
+                send_prompt_ids, cs.sent_prompt_ids = body.return_token_ids and not cs.sent_prompt_ids, True
                 choices.append(
                     P.CompletionChoice(
                         index=index,
@@ -243,9 +245,8 @@ async def _stream_completions(
                         logprobs=logprobs,
                         finish_reason=F.finish_reason(c.finish_reason),
                         stop_reason=c.stop_reason,
-                        prompt_token_ids=(
-                            list(out.prompt_token_ids) if body.return_token_ids and first_of_prompt else None
-                        ),
+                        # Once per choice, in its first chunk (as vLLM).
+                        prompt_token_ids=list(out.prompt_token_ids) if send_prompt_ids else None,
                         token_ids=list(c.token_ids) if body.return_token_ids else None,
                         weight_versions=(
                             F.weight_version_spans(cs.spans) if body.return_weight_versions and last else None
@@ -298,7 +299,7 @@ async def _stream_chat(
                     P.ChatStreamChoice(
                         index=c.index,
                         delta=P.DeltaMessage(content=c.text),
-                        logprobs=F.chat_logprobs(state.engine, c, num_top),
+                        logprobs=F.chat_logprobs(state.engine, c, num_top, body.return_tokens_as_token_ids),
                         finish_reason=F.finish_reason(c.finish_reason),
                         stop_reason=c.stop_reason,
                         token_ids=list(c.token_ids) if body.return_token_ids else None,
@@ -509,7 +510,7 @@ def _api_routes(state: ServerState) -> APIRouter:
             P.ChatChoice(
                 index=c.index,
                 message=P.ChatResponseMessage(content=c.text),
-                logprobs=F.chat_logprobs(engine, c, body.top_logprobs or 0),
+                logprobs=F.chat_logprobs(engine, c, body.top_logprobs or 0, body.return_tokens_as_token_ids),
                 finish_reason=F.finish_reason(c.finish_reason),
                 stop_reason=c.stop_reason,
                 token_ids=list(c.token_ids) if body.return_token_ids else None,

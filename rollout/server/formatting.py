@@ -13,7 +13,11 @@ def finish_reason(reason: str | None) -> str | None:
     return "stop" if reason == "repetition" else reason
 
 
-def _token_text(engine, logprob_entry, token_id: int) -> str:
+def _token_text(engine, logprob_entry, token_id: int, as_ids: bool = False) -> str:
+    """A token's text in logprobs; with return_tokens_as_token_ids vLLM's "token_id:N" (which names a
+    token whose text is not valid UTF-8 on its own)."""
+    if as_ids:
+        return f"token_id:{token_id}"
     if logprob_entry is not None and logprob_entry.decoded_token is not None:
         return logprob_entry.decoded_token
     return engine.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -23,32 +27,25 @@ def _token_text(engine, logprob_entry, token_id: int) -> str:
 MIN_LOGPROB = -9999.0
 
 
-def completion_logprobs(engine, c: CompletionOutput, text_offset: int) -> P.CompletionLogprobs | None:
-    """OpenAI legacy logprobs for c's tokens; offsets start at `text_offset` (characters sent before)."""
-    if c.logprobs is None:
-        return None
-    return legacy_logprobs(engine, c.token_ids, c.logprobs, text_offset)
-
-
-def legacy_logprobs(engine, token_ids, positions, text_offset: int = 0) -> P.CompletionLogprobs:
+def legacy_logprobs(engine, token_ids, positions, text_offset: int = 0, as_ids: bool = False) -> P.CompletionLogprobs:
     """OpenAI legacy logprobs, one entry per token id: its text, logprob, the top logprobs by text and its
     character offset (from `text_offset`, each token's text after the one before). A position of None
     (the first prompt token of an echo: nothing precedes it) has a null logprob and null top logprobs."""
     out = P.CompletionLogprobs()
     for token_id, position in zip(token_ids, positions):
         if position is None:
-            text = _token_text(engine, None, token_id)
+            text = _token_text(engine, None, token_id, as_ids)
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
         else:
             sampled = position.get(token_id)
-            text = _token_text(engine, sampled, token_id)
+            text = _token_text(engine, sampled, token_id, as_ids)
             out.token_logprobs.append(max(sampled.logprob, MIN_LOGPROB) if sampled is not None else None)
             # The token plus the top-k, as OpenAI's legacy format has it. Keys are texts, and distinct
             # tokens may share one (e.g. partial UTF-8 shows as U+FFFD): keep the likeliest.
             top: dict[str, float] = {}
             for tid, lp in position.items():
-                key = _token_text(engine, lp, tid)
+                key = _token_text(engine, lp, tid, as_ids)
                 top[key] = max(lp.logprob, top.get(key, MIN_LOGPROB))
             out.top_logprobs.append(top)
         out.tokens.append(text)
@@ -96,23 +93,24 @@ def routed_experts_b64(rows, num_experts: int) -> str | None:
         return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def chat_logprobs(engine, c: CompletionOutput, num_top: int) -> P.ChatLogprobs | None:
+def chat_logprobs(engine, c: CompletionOutput, num_top: int, as_ids: bool = False) -> P.ChatLogprobs | None:
     if c.logprobs is None:
         return None
     content = []
     for token_id, position in zip(c.token_ids, c.logprobs):
         sampled = position.get(token_id)
-        text = _token_text(engine, sampled, token_id)
+        text = _token_text(engine, sampled, token_id, as_ids)
         # The dict holds the sampled token and the top-k: the k highest are the true top-k.
         ranked = sorted(position.items(), key=lambda kv: kv[1].logprob, reverse=True)[:num_top]
         tops = [
-            P.ChatTopLogprob(token=(t := _token_text(engine, lp, tid)), logprob=lp.logprob, bytes=list(t.encode()))
+            P.ChatTopLogprob(token=(t := _token_text(engine, lp, tid, as_ids)), logprob=max(lp.logprob, MIN_LOGPROB),
+                             bytes=list(t.encode()))
             for tid, lp in ranked
         ]
         content.append(
             P.ChatTokenLogprob(
                 token=text,
-                logprob=sampled.logprob if sampled is not None else float("-inf"),
+                logprob=max(sampled.logprob, MIN_LOGPROB) if sampled is not None else MIN_LOGPROB,
                 bytes=list(text.encode()),
                 top_logprobs=tops,
             )

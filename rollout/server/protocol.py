@@ -102,6 +102,8 @@ class SamplingRequest(RequestModel):
     priority: int = 0
     return_token_ids: bool = False
     """Add prompt_token_ids and each choice's token_ids to the response (token in, token out)."""
+    return_tokens_as_token_ids: bool = False
+    """With logprobs: each token written "token_id:N" instead of its text (a token's bytes may not be UTF-8 alone)."""
     return_weight_versions: bool = False
     """Add each choice's weight_versions: [{"version", "start", "end"}] half-open spans over its output tokens,
     one per run of tokens sampled by one weight version (a stream sends them once, in each choice's last chunk)."""

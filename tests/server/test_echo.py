@@ -153,3 +153,28 @@ def test_output_length_rules_are_vllm_033s(http):
     # A prompt that leaves no position for an output token: a 400 naming the prompt.
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": [5] * MAX_MODEL_LEN, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+def test_return_tokens_as_token_ids(http):
+    ids = _ids(http, "Once upon")
+    body = {**_lm_eval_body(ids), "return_tokens_as_token_ids": True}
+    (choice,) = http.post("/v1/completions", json=body).json()["choices"]
+    lp = choice["logprobs"]
+    assert lp["tokens"][:len(ids)] == [f"token_id:{t}" for t in ids]
+    assert all(k.startswith("token_id:") for top in lp["top_logprobs"][1:] for k in top)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True,
+            "top_logprobs": 1, "return_tokens_as_token_ids": True, "return_token_ids": True}
+    (c,) = http.post("/v1/chat/completions", json=chat).json()["choices"]
+    assert [p["token"] for p in c["logprobs"]["content"]] == [f"token_id:{t}" for t in c["token_ids"]]
+
+
+def test_streamed_prompt_token_ids_once_per_choice(http):
+    ids = _ids(http, "Hello")
+    body = {"model": MODEL, "prompt": ids, "n": 2, "max_tokens": 3, "return_token_ids": True, "ignore_eos": True}
+    seen: dict[int, int] = {}
+    for chunk in _stream(http, body):
+        for c in chunk["choices"]:
+            if c["prompt_token_ids"] is not None:
+                assert c["prompt_token_ids"] == ids
+                seen[c["index"]] = seen.get(c["index"], 0) + 1
+    assert seen == {0: 1, 1: 1}
