@@ -68,6 +68,17 @@ def test_prompt_over_max_model_len_is_rejected_and_the_engine_keeps_serving(llm)
     assert llm.generate("hello there", good, use_tqdm=False)[0].outputs[0].token_ids == before
 
 
+def test_output_length_follows_vllm_033(llm):
+    """A prompt must leave room for one output token (vLLM's input check); a max_tokens past what is left
+    is not refused: the output stops at max_model_len with finish_reason "length", as vLLM clamps it."""
+    with pytest.raises(ValueError, match="^prompt: .*max_model_len=64"):
+        llm.generate({"prompt_token_ids": [5] * 64}, SamplingParams(max_tokens=1), use_tqdm=False)
+    (out,) = llm.generate({"prompt_token_ids": [5] * 60}, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="routed_experts_prompt_start"):
+        SamplingParams(routed_experts_prompt_start=-1)
+
+
 def test_unknown_architecture_names_the_field(tiny_checkpoint, tmp_path):
     src = tiny_checkpoint("llama")
     dst = tmp_path / "bad"
