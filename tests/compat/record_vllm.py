@@ -135,6 +135,10 @@ def exchanges(token_ids_of) -> list[dict]:
         json={"model": m, "prompt": long_prompt, "max_tokens": 16, "temperature": 0})
     add("completions_prompt_over_max_model_len", "POST", "/v1/completions",
         json={"model": m, "prompt": too_long_prompt, "max_tokens": 1})
+    add("completions_prompt_equal_max_model_len", "POST", "/v1/completions",
+        json={"model": m, "prompt": too_long_prompt[:MAX_MODEL_LEN], "max_tokens": 1})
+    add("completions_max_tokens_over_max_model_len", "POST", "/v1/completions",
+        json={"model": m, "prompt": "Hello world", "max_tokens": MAX_MODEL_LEN + 1})
     add("completions_unknown_model", "POST", "/v1/completions", json={"model": "nope", "prompt": "Hi", "max_tokens": 1})
     add("inference_v1_generate", "POST", "/inference/v1/generate",
         json={"model": m, "token_ids": hello, "sampling_params": {"max_tokens": 3, "temperature": 0}})
@@ -356,6 +360,7 @@ def _run_session(vllm_python: str, model_dir: str, extra_args: list[str], exchan
 
 def _record(argv: list[str]) -> int:
     import argparse
+    import json
     import tempfile
     from pathlib import Path
 
@@ -387,8 +392,11 @@ def _record(argv: list[str]) -> int:
     sessions = {"main": ([], exchanges(token_ids_of)), "fault_tolerance": (FAULT_TOLERANCE_ARGS, fault_tolerance_exchanges())}
     for label in args.sessions.split(","):
         extra, exchange_list = sessions[label]
-        for old in [*out.glob(f"_server_{label}.json"), *(out / f"{e['order']:03d}_{e['name']}.json" for e in exchange_list)]:
-            old.unlink(missing_ok=True)
+        for old in out.glob("*.json"):  # this session's earlier recording, whatever its numbering
+            if old.name == f"_server_{label}.json" or (
+                old.name[0].isdigit() and json.loads(old.read_text()).get("session", "main") == label
+            ):
+                old.unlink()
         _run_session(args.vllm_python, model_dir, extra, exchange_list, out, label, work, args.startup_timeout)
     print(f"record_vllm: wrote {out}")
     return 0
