@@ -282,7 +282,7 @@ class EngineControls(Protocol):
                                       metric=("sleep_mode", "release_kv_cache_memory")))
     async def release_kv_cache_memory(self) -> None:
         """Frees the KV cache's memory, the weights staying resident: needs a completed pause
-        (pause_generation "abort" or "wait") and every part awake (RuntimeError otherwise, as vLLM's).
+        (pause_generation "abort" or "wait") and every part awake (ValueError otherwise).
         The engine then sleeps until wake_up(["kv_cache"]) brings the cache back, empty."""
 
     @control(Combine.ANY, route=Route("GET", field="is_sleeping"))

@@ -329,12 +329,13 @@ class EngineCore:
     @between_steps
     def release_kv_cache_memory(self) -> None:
         """Frees the KV cache's memory while the weights stay (vLLM's); needs a completed pause with nothing
-        left in flight (RuntimeError otherwise, as vLLM's). The engine then sleeps ("kv_cache", "scheduling")
-        until wake_up(["kv_cache"]) (or wake_up()) brings the cache back, empty."""
+        left in flight, and every part awake (ValueError otherwise: the caller's order of calls, HTTP 400;
+        vLLM's uncaught RuntimeError answers 500). The engine then sleeps ("kv_cache", "scheduling") until
+        wake_up(["kv_cache"]) (or wake_up()) brings the cache back, empty."""
         if not self.control.paused or self.scheduler.has_unfinished_requests():
-            raise RuntimeError("release_kv_cache_memory() requires a completed pause first")
+            raise ValueError("release_kv_cache_memory() requires a completed pause first")
         if self.control.sleeping:
-            raise RuntimeError("release_kv_cache_memory() requires all executor memory to be resident")
+            raise ValueError("release_kv_cache_memory() requires all executor memory to be resident")
         self.executor.rpc(Worker.release_kv_cache)
         self.scheduler.reset_prefix_cache()  # the KV it points at is gone
         self.control.record_kv_cache_released()

@@ -3,7 +3,7 @@
     producer = AsyncRolloutProducer(worker, problems, n=4, temperature=1.0, max_tokens=32, seed=0,
                                     groups_per_step=8, lookahead_steps=2)
     groups = producer.take(8)          # blocks until 8 groups have finished
-    ...train, pause("keep"), sync, resume...
+    ...train, pause_generation("keep"), sync, resume_generation()...
     producer.advance_version(step)     # admits the next step's groups
 
 Versions are counted as integers: 0 is the weights the worker served when training began,

@@ -3,7 +3,7 @@
 Both adapters give what trainers.common, trainers.rollouts and trainers.async_rollouts use:
 generate(prompts, params, use_tqdm=False) -> RequestOutputs with the sampled tokens' logprobs
 and weight_versions spans, agenerate(prompt, params), tokenizer, the controls of
-engine/control.py (pause/resume, sleep/wake_up, get_weight_version, weight_checker...; over HTTP
+engine/control.py (pause_generation/resume_generation, sleep/wake_up, get_weight_version, weight_checker...; over HTTP
 those with a route), weight_sync_client() (the weight_transfer client that reaches the same
 engine) and shutdown().
 """

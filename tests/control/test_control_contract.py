@@ -269,6 +269,17 @@ def test_the_group_only_controls_have_their_routes_under_elastic_ep():
         assert _route_args(routes[path]) == (set(), set(CONTROLS[name].arg_names()))
 
 
+def test_vllms_elastic_ep_routes_run_the_declared_controls():
+    """vLLM's /scale_elastic_ep and /is_scaling_elastic_ep (POST both, as vLLM's) over the declared controls."""
+    from rollout.server.elastic_routes import vllm_elastic_router
+
+    routes = {(method, route.path) for route in vllm_elastic_router(types.SimpleNamespace()).routes
+              for method in route.methods}
+    assert routes == {("POST", "/scale_elastic_ep"), ("POST", "/is_scaling_elastic_ep")}
+    assert CONTROLS["scale_elastic_ep"].arg_names() == ["new_data_parallel_size", "drain_timeout"]
+    assert CONTROLS["is_scaling_elastic_ep"].where is Where.FRONTEND  # every engine answers (idle)
+
+
 def test_a_route_declared_later_is_served_without_touching_the_router(monkeypatch):
     """What adding a control takes on the HTTP side: nothing but the declaration."""
     import engine.control as control

@@ -94,7 +94,7 @@ def test_update_weights_takes_vllms_per_worker_list_and_draft_needs_a_draft(llm,
 
 def test_release_kv_cache_memory_needs_a_pause_and_wakes_with_the_kv_cache(llm):
     before = _tokens(llm)
-    with pytest.raises(RuntimeError, match="requires a completed pause"):
+    with pytest.raises(ValueError, match="requires a completed pause"):
         llm.release_kv_cache_memory()
     llm.pause_generation(mode="abort")
     kv_refs = [layer.kv_cache for layer in llm.engine_core.executor.worker.attn_layers]
@@ -104,7 +104,7 @@ def test_release_kv_cache_memory_needs_a_pause_and_wakes_with_the_kv_cache(llm):
         llm.release_kv_cache_memory()
         assert llm.is_sleeping() is True
         assert all(layer.kv_cache is None for layer in llm.engine_core.executor.worker.attn_layers)
-        with pytest.raises(RuntimeError, match="resident"):
+        with pytest.raises(ValueError, match="resident"):
             llm.release_kv_cache_memory()
         assert llm.wake_up(["kv_cache"]) is True
         assert all(layer.kv_cache is not None for layer in llm.engine_core.executor.worker.attn_layers)

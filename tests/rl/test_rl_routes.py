@@ -440,10 +440,10 @@ def test_shutdown_weight_transfer_engine_requires_a_new_init(http):
 
 
 def test_release_kv_cache_memory_over_http(http):
-    """vLLM's /release_kv_cache_memory: 500 without a completed pause (vLLM's RuntimeError), then
-    {"status": "kv_cache_released"}; the engine sleeps until /wake_up?tags=kv_cache."""
+    """vLLM's /release_kv_cache_memory: {"status": "kv_cache_released"} after a completed pause, and the
+    engine sleeps until /wake_up?tags=kv_cache; without the pause a 400 (vLLM: an uncaught 500)."""
     before = _greedy(http, "A rollout is")["token_ids"]
-    assert http.post("/release_kv_cache_memory").status_code == 500
+    _assert_error(http.post("/release_kv_cache_memory"), 400, "requires a completed pause")
     assert http.post("/pause", params={"mode": "wait"}).json() == {"status": "paused"}
     try:
         assert http.post("/release_kv_cache_memory").json() == {"status": "kv_cache_released"}

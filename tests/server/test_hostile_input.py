@@ -274,7 +274,7 @@ def test_an_unexpected_exception_is_a_json_500_and_keeps_the_connection(tiny_che
     engine = AsyncLLM.from_engine_args(model=tiny_checkpoint("llama"), max_model_len=256, device="cpu",
                                        dtype="float32", disable_log_stats=True, multiprocess=False)
 
-    async def broken() -> int:
+    async def broken(include_dp: bool = True) -> int:
         raise RuntimeError("an engine bug")
 
     engine.get_world_size = broken  # what a bug anywhere below a route looks like
