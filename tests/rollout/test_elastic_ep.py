@@ -194,6 +194,18 @@ def test_elastic_ep_over_http(launch_server, moe_checkpoint):
         assert http.post("/elastic_ep/prepare", json={"new_data_parallel_size": 2}).status_code == 200
         assert http.post("/elastic_ep/commit").json()["data_parallel_size"] == 2
         assert complete() == before
+        # vLLM's one-call scale and its status body, over the same two phases
+        assert http.post("/is_scaling_elastic_ep").json() == {
+            "is_scaling_elastic_ep": False, "phase": "idle", "epoch": 2, "error": None,
+            "requested_data_parallel_size": None}
+        r = http.post("/scale_elastic_ep", json={"new_data_parallel_size": 3, "drain_timeout": 60})
+        assert r.status_code == 200 and r.json() == {"message": "Scaled to 3 data parallel engines"}
+        assert http.get("/elastic_ep").json()["data_parallel_size"] == 3
+        assert http.post("/is_scaling_elastic_ep").json()["epoch"] == 3
+        r = http.post("/scale_elastic_ep", json={"new_data_parallel_size": 3})
+        assert r.status_code == 400 and "3 engines already" in r.json()["error"]["message"]
+        assert http.post("/is_scaling_elastic_ep").json()["phase"] == "failed"
+        assert [complete() for _ in range(3)] == [before] * 3
 
 
 async def _finish_reason(stream) -> str:
