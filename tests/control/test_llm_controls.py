@@ -111,3 +111,29 @@ def test_release_kv_cache_memory_needs_a_pause_and_wakes_with_the_kv_cache(llm):
     finally:
         llm.resume_generation()
     assert _tokens(llm) == before
+
+
+def test_start_draft_weight_update_lands_an_update_without_a_model_in_the_draft(tiny_checkpoint):
+    """vLLM's start_draft_weight_update: the update_info sent after it names no model and lands in the draft."""
+    from weight_transfer import hf_state_checksums
+    from weight_transfer.local import make_update_info
+
+    path = tiny_checkpoint("llama")
+    old = load_file(os.path.join(path, "model.safetensors"))
+    new = load_file(os.path.join(tiny_checkpoint("llama", seed=1), "model.safetensors"))
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    with LLM(path, device="cpu", dtype="float32", speculative_config=spec) as llm:
+        before = _tokens(llm)
+        llm.init_weight_transfer_engine({"init_info": {"backend": "local", "model": "draft"}})
+        llm.start_draft_weight_update()
+        llm.update_weights({"update_info": make_update_info(new.items(), "b64")})  # no "model": the draft
+        llm.finish_weight_update("draft-1")
+        assert llm.weight_checker(hf_state_checksums(new), model="draft")["match"] is True
+        assert llm.weight_checker(hf_state_checksums(old))["match"] is True  # the target is as it was
+        assert _tokens(llm) == before  # speculation never changes greedy outputs
+        # a plain start after it: an update without a model is the target's again
+        llm.init_weight_transfer_engine({"backend": "local"})
+        llm.start_weight_update()
+        llm.update_weights(make_update_info(old.items(), "b64"))
+        llm.finish_weight_update()
+        assert llm.weight_checker(hf_state_checksums(new), model="draft")["match"] is True
