@@ -18,6 +18,8 @@ _UNDO = {
     "/pause": ["/resume"],
     "/sleep": ["/wake_up", "/resume"],
     "/start_weight_update": ["/abort_weight_update"],
+    "/start_draft_weight_update": ["/abort_weight_update"],
+    "/release_kv_cache_memory": ["/wake_up", "/resume"],
     "/init_weight_transfer_engine": ["/abort_weight_update"],
 }
 
