@@ -424,6 +424,10 @@ def _version() -> str:
         return "unknown"
 
 
+# What served an answer, in vLLM's system_fingerprint field (vLLM writes "vllm-<version>-<hash>").
+SYSTEM_FINGERPRINT = f"rollout-toolkit-{_version()}"
+
+
 def _open_routes(state: ServerState) -> APIRouter:
     """Routes that monitoring reaches without the API key."""
     router = APIRouter(route_class=StrictJSONRoute)
@@ -491,7 +495,7 @@ def _api_routes(state: ServerState) -> APIRouter:
         choices = _completion_choices(state, body, outputs)
         num_completion = sum(len(c.token_ids) for out in outputs for c in out.outputs)
         return P.CompletionResponse(
-            id=req_id, model=state.model_name, choices=choices,
+            id=req_id, model=state.model_name, choices=choices, system_fingerprint=SYSTEM_FINGERPRINT,
             usage=F.usage([len(o.prompt_token_ids) for o in outputs], num_completion),
         )
 
@@ -520,7 +524,7 @@ def _api_routes(state: ServerState) -> APIRouter:
             for c in sorted(out.outputs, key=lambda c: c.index)
         ]
         return P.ChatCompletionResponse(
-            id=req_id, model=state.model_name, choices=choices,
+            id=req_id, model=state.model_name, choices=choices, system_fingerprint=SYSTEM_FINGERPRINT,
             usage=F.usage([len(out.prompt_token_ids)], sum(len(c.token_ids) for c in out.outputs)),
             prompt_token_ids=list(out.prompt_token_ids) if body.return_token_ids else None,
             prompt_logprobs=F.prompt_logprobs_json(out.prompt_logprobs),

@@ -309,6 +309,20 @@ class UsageInfo(ResponseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # vLLM's (always null here: no cached-token or reasoning-token breakdown is reported).
+    prompt_tokens_details: dict[str, Any] | None = None
+    completion_tokens_details: dict[str, Any] | None = None
+
+
+class _VllmResponseExtras(ResponseModel):
+    """Top-level fields vLLM's completion and chat answers carry, null here (no service tiers, fingerprints,
+    disaggregated serving or per-request metrics), so a client reading them finds them."""
+
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None
 
 
 class WeightVersionSpan(ResponseModel):
@@ -355,7 +369,7 @@ class CompletionChoice(ResponseModel):
     routed_experts: str | None = None
 
 
-class CompletionResponse(ResponseModel):
+class CompletionResponse(_VllmResponseExtras):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -397,7 +411,7 @@ class ChatChoice(ResponseModel):
     routed_experts: str | None = None
 
 
-class ChatCompletionResponse(ResponseModel):
+class ChatCompletionResponse(_VllmResponseExtras):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))

@@ -51,7 +51,8 @@ def test_tokens_out_equal_hf_with_logprobs_by_token_id(http, model_path):
     for p in content:
         assert p["rank"] == 1 and p["top_logprobs"][0]["token_id"] == p["token_id"]  # greedy: the likeliest
         assert len(p["top_logprobs"]) == 2 and p["logprob"] == p["top_logprobs"][0]["logprob"] <= 0.0
-    assert answer["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 6, "total_tokens": len(PROMPT) + 6}
+    assert answer["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 6, "total_tokens": len(PROMPT) + 6,
+                               "prompt_tokens_details": None, "completion_tokens_details": None}
     # The same tokens as /v1/completions gives.
     plain = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "return_token_ids": True,
                                                **{k: v for k, v in GREEDY.items() if k != "logprobs"}}).json()
