@@ -32,6 +32,7 @@ FLOAT_TOLERANCE = 1e-4
 # in `!` is compared by its JSON type alone.
 _COMPLETION_VOLATILE = [
     "id", "created",
+    "system_fingerprint",  # names the server build ("vllm-0.32.0-<hash>"); ours names ours
     "choices.*.text",
     "choices.*.finish_reason", "choices.*.stop_reason",
     "choices.*.logprobs.tokens.*", "choices.*.logprobs.token_logprobs.*",
@@ -40,7 +41,9 @@ _COMPLETION_VOLATILE = [
 ]
 VOLATILE: dict[str, list[str]] = {
     # `root` is the checkpoint's path on the host that served it; ids and timestamps are fresh.
-    r"models": ["data.*.created", "data.*.root", "data.*.permission.*.id", "data.*.permission.*.created"],
+    # owned_by names the server software ("vllm"; ours "rollout-toolkit").
+    r"models": ["data.*.created", "data.*.root", "data.*.owned_by", "data.*.permission.*.id",
+                "data.*.permission.*.created"],
     # vLLM names its own tokenizer wrapper class; name_or_path is the host path.
     r"tokenizer_info": ["tokenizer_class", "name_or_path"],
     r"completions_.*": _COMPLETION_VOLATILE,
