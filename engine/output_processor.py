@@ -182,11 +182,13 @@ class RequestState:
     def _update_extras(self, out: EngineCoreOutput) -> None:
         """Logprobs, prompt logprobs and routed experts of one step."""
         if out.new_logprobs is not None and self.logprobs is not None:
-            rows = self._logprob_dicts(out.new_logprobs, self.params.logprobs)
+            rows = self._logprob_dicts(out.new_logprobs, self.params.logprobs, self.logprobs)
             self.logprobs += rows
             self.cumulative_logprob += sum(next(iter(row.values())).logprob for row in rows)  # chosen entry is first
         if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
-            self.prompt_logprobs += self._logprob_dicts(out.new_prompt_logprobs, self.params.prompt_logprobs)
+            self.prompt_logprobs += self._logprob_dicts(
+                out.new_prompt_logprobs, self.params.prompt_logprobs, self.prompt_logprobs
+            )
         if out.new_routed_experts is not None and self.routed_experts is not None:
             rows = out.new_routed_experts
             if self.num_routed_to_skip:
@@ -204,8 +206,10 @@ class RequestState:
             if end > start_tok
         ]
 
-    def _logprob_dicts(self, lists: LogprobsLists, num_top: int) -> list[dict[int, Logprob]]:
-        """Per position {token_id: Logprob}: the chosen token (its true rank) first, then the top num_top."""
+    def _logprob_dicts(self, lists: LogprobsLists, num_top: int, history: list) -> list[dict[int, Logprob]]:
+        """Per position {token_id: Logprob}: the chosen token (its true rank) first, then the top num_top.
+        `history`: the positions these follow (the request's logprobs or prompt logprobs so far), whose
+        chosen tokens are the context that completes a token text left as a partial UTF-8 sequence."""
         decode = self.token_text.get if self.token_text is not None else (lambda _: None)
         rows = []
         # One .tolist() per array and chunk: Python ints and floats from here on.
@@ -217,6 +221,11 @@ class RequestState:
             for k in range(1, min(num_top, len(ids) - 1) + 1):
                 if ids[k] not in row:  # the chosen token keeps its own entry
                     row[ids[k]] = Logprob(lps[k], k, decode(ids[k]))
+            if self.token_text is not None and any(lp.decoded_token.endswith(_REPLACEMENT) for lp in row.values()):
+                context = _chosen_ids(history, rows)
+                for tid, lp in row.items():
+                    if lp.decoded_token.endswith(_REPLACEMENT):
+                        lp.decoded_token = self.token_text.completed(tid, context)
             rows.append(row)
         return rows
 
@@ -260,12 +269,49 @@ class RequestState:
         return self.prompt_logprobs
 
 
+_REPLACEMENT = "\ufffd"  # what decoding a partial UTF-8 sequence ends with
+_MAX_UTF8_CONTEXT = 4  # a UTF-8 character spans at most 4 bytes, so at most 4 byte-fallback tokens
+
+
+def _chosen_ids(history: list, rows: list) -> list[int]:
+    """The chosen token ids of the last few positions before the next one (a None position, the prompt's
+    first, has none), oldest first."""
+    ids = [next(iter(row)) for row in rows[-_MAX_UTF8_CONTEXT:] if row is not None]
+    if len(ids) < _MAX_UTF8_CONTEXT:
+        older = history[-(_MAX_UTF8_CONTEXT - len(ids)):]
+        ids = [next(iter(row)) for row in older if row is not None] + ids
+    return ids
+
+
 class _TokenTextCache:
     """Text of single token ids (for Logprob.decoded_token), decoded once per id."""
 
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+
+    def completed(self, token_id: int, context: list[int]) -> str:
+        """The text `token_id` adds after `context` when on its own it decodes to a partial UTF-8 sequence
+        (as vLLM's logprobs report it): the text it completes together with the byte-fallback tokens
+        just before it (whose own texts were partial too), or "" when the character is still unfinished."""
+        decode = self._tokenizer.decode
+        for num_ctx in range(1, min(len(context), _MAX_UTF8_CONTEXT) + 1):
+            ctx = context[-num_ctx:]
+            whole = decode(ctx + [token_id])
+            if whole.endswith(_REPLACEMENT):
+                continue  # still unfinished with this much context: take one more token
+            # The context tokens that were partial themselves hand their bytes to this token.
+            num_clean = num_ctx
+            while num_clean > 0 and self.get(ctx[num_clean - 1]).endswith(_REPLACEMENT):
+                num_clean -= 1
+            prefix = decode(ctx[:num_clean]) if num_clean else ""
+            if whole.startswith(prefix):
+                return whole[len(prefix):]
+            common = 0  # a normalizing tokenizer may change the prefix: cut at the longest common one
+            while common < min(len(prefix), len(whole)) and prefix[common] == whole[common]:
+                common += 1
+            return whole[common:]
+        return ""
 
     def get(self, token_id: int) -> str:
         text = self._cache.get(token_id)

@@ -41,7 +41,9 @@ def test_sample_logprobs_trimmed_to_k_with_true_rank(tokenizer):
         50: Logprob(-0.1, 1, tokenizer.decode([50])),
     }
     assert list(c.logprobs[1]) == [99, 50, 51]  # sampled first, then the top-2
-    assert c.logprobs[1][99] == Logprob(-4.0, 17, tokenizer.decode([99]))
+    # 99 is one byte of a multi-byte character that 51 does not complete: its text is "" (vLLM's rule),
+    # not the U+FFFD that decoding it alone gives.
+    assert tokenizer.decode([99]) == "\ufffd" and c.logprobs[1][99] == Logprob(-4.0, 17, "")
     assert c.logprobs[1][51].rank == 2
     assert c.cumulative_logprob == pytest.approx(-4.5)
 
@@ -306,3 +308,26 @@ def test_routed_experts_prompt_start_leaves_out_the_first_prompt_rows(tokenizer)
                                                          finish_reason=finish)]).request_outputs:
             seen += ro.outputs[0].routed_experts
     assert seen == rows(3, 2).tolist()  # rows 0..2 (the first 3 prompt positions) left out
+
+
+def test_partial_utf8_token_texts_are_completed_by_their_context(tokenizer):
+    """A character spelled by several byte tokens: each token's decoded_token is "" until the one that
+    completes it, which carries the whole character (as vLLM's logprobs report them), in sample and in
+    prompt logprobs, also when the bytes arrive over several steps."""
+    ids = tokenizer.encode("a\U0001F600b", add_special_tokens=False)  # "a", three byte tokens, "b"
+    assert len(ids) == 5 and all(tokenizer.decode([t]).endswith("\ufffd") for t in ids[1:4])
+    proc = OutputProcessor(tokenizer)
+    add(proc, logprobs=0)
+    texts = []
+    for t in ids:  # one token a step
+        [ro] = proc.process_outputs([EngineCoreOutput("r", [t], new_logprobs=lp_rows([(t, -1.0, 1, [])]))]).request_outputs
+    texts = [next(iter(pos.values())).decoded_token for pos in ro.outputs[0].logprobs]
+    assert texts == ["a", "", "", "\U0001F600", "b"]
+    # Prompt logprobs: one chunk of positions 1.. (position 0, the first token, has none).
+    proc = OutputProcessor(tokenizer)
+    proc.add_request(EngineCoreRequest("p", ids, SamplingParams(max_tokens=1, prompt_logprobs=0), eos_token_id=0), prompt="p")
+    rows = lp_rows([(t, -1.0, 1, []) for t in ids[1:]])
+    [ro] = proc.process_outputs([EngineCoreOutput("p", [7], new_prompt_logprobs=rows,
+                                                  finish_reason=FinishReason.LENGTH)]).request_outputs
+    assert [None if p is None else next(iter(p.values())).decoded_token for p in ro.prompt_logprobs] == [
+        None, "", "", "\U0001F600", "b"]
