@@ -93,7 +93,7 @@ def test_one_client_updates_both_actors_then_a_killed_actor_is_a_clear_error(act
         client.get_weight_version()
 
     # A failing call names the actor it failed on (the first failure to arrive).
-    with pytest.raises(WeightSyncError, match=r"pause: engine actor [01]: mode"):
+    with pytest.raises(WeightSyncError, match=r"pause_generation: engine actor [01]: mode"):
         client.pause_generation("later")
 
     ray.kill(actors[1])
