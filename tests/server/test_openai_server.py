@@ -153,7 +153,9 @@ def test_chat(client):
     assert choice.finish_reason == "length" and out.usage.completion_tokens == 6
     content = choice.logprobs.content
     assert len(content) == 6
-    assert "".join(t.token for t in content) == choice.message.content
+    # Token texts add up to the content, but for bytes of a character that never completes: the content
+    # shows U+FFFD for them, their token texts are "" (as vLLM's logprobs write them).
+    assert "".join(t.token for t in content) == choice.message.content.replace("\ufffd", "")
     assert all(len(t.top_logprobs) == 2 and t.bytes == list(t.token.encode()) for t in content)
 
 
