@@ -25,9 +25,8 @@ import math
 import re
 from typing import Any, Callable
 
-from fastapi import Request
+from fastapi import HTTPException, Request  # fastapi's: errors.py answers it (the router's own 404 keeps FastAPI's body)
 from fastapi.routing import APIRoute
-from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.exceptions import AdmissionError

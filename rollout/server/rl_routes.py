@@ -176,7 +176,7 @@ def _http_type(annotation: Any) -> Any:
         return arg.http
     if base is tuple:
         return list[Any]
-    if get_origin(base) is Literal:
+    if get_origin(base) is Literal and not all(isinstance(v, str) for v in get_args(base)):  # str choices: checked here, as vLLM's routes do
         return type(get_args(base)[0])
     if get_origin(base) in (Union, types.UnionType):
         return Union[tuple(_http_type(a) for a in get_args(base))]
