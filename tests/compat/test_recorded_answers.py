@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 
 import httpx
@@ -152,6 +153,83 @@ def expected_033(record: dict, import_vllm) -> tuple[dict, list[str]]:
                         node[key] = to_jsonable_python(default)
                         changes.append(f"{path or '<body>'}.{key}: added by 0.33's {cls_name} = {node[key]!r}")
     return body, changes
+
+
+# Where ours answers differently from vLLM on purpose: {exchange name (regex): (what ours answers, why)}.
+# A listed exchange is not compared with vLLM's answer; ours must answer what the entry says instead
+# (the status, and each dotted path given, exactly), the recorded answer must still differ from ours
+# (an entry that no longer differs fails: drop it), and each is reported as a DeliberateDifference
+# warning with vLLM's answer and ours. DESIGN ("Errors and bad input"): bad input is a 400 naming
+# what is wrong and changes nothing; a 500 tells a client the server broke (so it retries, pages
+# someone, or marks the server unhealthy) when it was the client's call that was wrong.
+_LIFECYCLE_400 = "a weight-update lifecycle call out of order is the client's mistake: ours is a 400 naming " \
+                 "the call that must come first and changes nothing; vLLM answers 500, as if the server broke"
+DELIBERATELY_DIFFERENT: dict[str, tuple[dict, str]] = {
+    r"init_weight_transfer_engine_empty_init_info": (
+        {"status": 400, "error.type": "Bad Request"},
+        "init_info without its required fields is bad input: ours is a 400 naming the missing field "
+        "(init_info.world_size); vLLM answers 500 from the worker's failed constructor call"),
+    r"update_weights_before_init": ({"status": 400, "error.type": "Bad Request"}, _LIFECYCLE_400),
+    r"finish_weight_update": ({"status": 400, "error.type": "Bad Request"}, _LIFECYCLE_400),
+    r"start_draft_weight_update_no_draft": (
+        {"status": 400, "error.type": "Bad Request"},
+        "asking to update a draft model the server does not have is bad input: ours is a 400 saying so; "
+        "vLLM answers 500"),
+    r"release_kv_cache_memory_not_paused": (
+        {"status": 400, "error.type": "Bad Request"},
+        "release_kv_cache_memory needs a completed pause first: ours is a 400 saying so and changes nothing; "
+        "vLLM answers 500"),
+    r"start_weight_update": (
+        {"status": 400, "error.type": "Bad Request"},
+        "start_weight_update with no weight-transfer engine initialized starts an update that can receive "
+        "nothing (every update_weights after it fails): ours refuses with a 400 naming "
+        "init_weight_transfer_engine; vLLM answers 200"),
+    r"collective_rpc_missing_method": (
+        {"status": 400, "error.type": "Bad Request", "error.param": "body.method"},
+        "ours declares `method` as a required body field, so the missing field is named where it was sent "
+        "(param body.method), as vLLM names every declared field (update_weight_version's body.new_version); "
+        "vLLM's collective_rpc checks it by hand and leaves param null"),
+    r"completions_prompt_over_max_model_len": (
+        {"status": 400, "error.type": "BadRequestError", "error.param": "prompt"},
+        "param names the request field that is too long (prompt, as OpenAI names the input of a "
+        "context-length error); vLLM's `input_tokens` is no field of the request"),
+    r"completions_prompt_equal_max_model_len": (
+        {"status": 400, "error.type": "BadRequestError", "error.param": "prompt"},
+        "a prompt that fills max_model_len leaves no room for an output token: param names the field the "
+        "client must shorten (prompt); vLLM names max_tokens, which the client did not send"),
+}
+
+
+class DeliberateDifference(UserWarning):
+    """An exchange where ours answers differently from vLLM on purpose (DELIBERATELY_DIFFERENT)."""
+
+
+def deliberate_difference(name: str) -> tuple[dict, str] | None:
+    found = [entry for pattern, entry in DELIBERATELY_DIFFERENT.items() if re.fullmatch(pattern, name)]
+    assert len(found) <= 1, f"{name}: more than one DELIBERATELY_DIFFERENT entry matches"
+    return found[0] if found else None
+
+
+def _value_at(body, path: str):
+    for part in path.split("."):
+        if not isinstance(body, dict) or part not in body:
+            return "<absent>"
+        body = body[part]
+    return body
+
+
+def check_deliberate(ours: dict, expected: dict) -> list[str]:
+    """What of a DELIBERATELY_DIFFERENT entry's answer ours does not answer (empty: all of it)."""
+    problems = []
+    for path, value in expected.items():
+        got = ours["status"] if path == "status" else _value_at(ours["body"], path)
+        if got != value:
+            problems.append(f"{path}: the table says ours answers {value!r}, ours {got!r}")
+    if ours["status"] >= 400 and not (isinstance(ours["body"], dict) and isinstance(ours["body"].get("error"), dict)
+                                     and isinstance(ours["body"]["error"].get("message"), str)
+                                     and ours["body"]["error"]["message"]):
+        problems.append("an error answer without an OpenAI-style error message")
+    return problems
 
 
 # Keys ours adds to a vLLM body (our documented extras: README "Coming from vLLM").
@@ -322,6 +400,17 @@ def test_033_schema_classes_import(vllm_import):
             assert getattr(vllm_import(module), cls_name).model_fields
 
 
+def test_deliberate_differences_are_recorded():
+    """Every DELIBERATELY_DIFFERENT entry names a recorded exchange (a renamed one must not linger), and
+    the table is printed: what ours answers differently from vLLM and why."""
+    names = [r["name"] for r in RECORDS]
+    for pattern, (expected, why) in DELIBERATELY_DIFFERENT.items():
+        matched = [n for n in names if re.fullmatch(pattern, n)]
+        assert matched, f"DELIBERATELY_DIFFERENT {pattern!r} matches no recorded exchange"
+        assert "status" in expected and why
+        print(f"deliberately different from vLLM: {', '.join(matched)}: ours {expected}: {why}")
+
+
 def test_recordings_exist():
     """The recordings are committed; an empty directory would make this module test nothing."""
     assert len(RECORDS) >= 60, f"{RECORDED}: {len(RECORDS)} recorded exchanges"
@@ -334,6 +423,19 @@ def test_same_answer_as_vllm(record, replayed, vllm_import):
     ours = replayed[record["name"]]
     problems = compare_exchange(record, ours, vllm_import)
     request = record["request"]
+    deliberate = deliberate_difference(record["name"])
+    if deliberate is not None:
+        expected, why = deliberate
+        theirs = record["response"]
+        report = (f"{record['name']}: {request['method']} {request['path']} answered differently from vLLM on "
+                  f"purpose: {why}\n  vLLM: {theirs['status']} {json.dumps(theirs['body'])[:300]}\n"
+                  f"  ours: {ours['status']} {json.dumps(ours['body'])[:300]}")
+        print(report)
+        warnings.warn(report, DeliberateDifference)
+        assert problems, f"{record['name']}: ours now answers as vLLM does; drop its DELIBERATELY_DIFFERENT entry"
+        mismatch = check_deliberate(ours, expected)
+        assert not mismatch, report + "\n  " + "\n  ".join(mismatch)
+        return
     assert not problems, (
         f"{request['method']} {request['path']} query={request['query']} json={json.dumps(request['json'])[:300]}\n  "
         + "\n  ".join(problems)
