@@ -139,7 +139,8 @@ def _param_path(error: dict) -> str | None:
     """The dotted location of a validation error as vLLM names it: where it was sent ("body", "query")
     first, then the field path without pydantic's wrapper and union-branch segments."""
     loc = [str(x) for x in error.get("loc", ())]
-    kept = [x for x in loc if not re.search(r"[\[\](){}]", x) and x.lower() not in _LOC_WRAPPERS]
+    kept = [x for x in loc if not re.search(r"[\[\](){}]", x) and x.lower() not in _LOC_WRAPPERS
+            and not x.startswith("constrained-")]  # "constrained-str": a union member with its bounds
     return ".".join(kept or loc) or None
 
 

@@ -40,12 +40,13 @@ _LEADING_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)[.\[:]")  # "max_tokens: 
 
 
 class BadRequestBody(HTTPException):
-    """A JSON body that parsed but holds an unbounded value (HTTP 400; `param`: the top-level field)."""
+    """A JSON body that parsed but holds an unbounded value (HTTP 400; `param`: the top-level field where it
+    was sent, "body.max_tokens", as a failed declared type names it)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(400, message)
         match = _LEADING_FIELD.match(message)
-        self.param = match.group(1) if match else None
+        self.param = f"body.{match.group(1)}" if match else None
 
 
 class BodyTooLarge(HTTPException):

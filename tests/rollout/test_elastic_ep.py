@@ -184,7 +184,7 @@ def test_elastic_ep_over_http(launch_server, moe_checkpoint):
         r = http.post("/elastic_ep/commit")
         assert r.status_code == 409 and "no elastic EP change" in r.json()["error"]["message"]
         r = http.post("/elastic_ep/prepare", json={"new_data_parallel_size": "3"})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "new_data_parallel_size"
+        assert r.status_code == 400 and r.json()["error"]["param"] == "body.new_data_parallel_size"  # where it was sent
         r = http.post("/elastic_ep/prepare", json={"new_data_parallel_size": 3})
         assert r.status_code == 200, r.text
         assert r.json()["pending"]["new_data_parallel_size"] == 3

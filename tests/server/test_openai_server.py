@@ -39,10 +39,15 @@ def _assert_error(response: httpx.Response, status: int, param: str | None = Non
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert error["type"] == {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                             503: "service_unavailable"}[status]
+    # vLLM 0.33's types: a failed declared type or a route's own refusal is typed with the status phrase,
+    # a serving-layer refusal with vLLM's error class name (rollout/server/errors.py).
+    assert error["type"] in {400: {"Bad Request", "BadRequestError"}, 401: {"Unauthorized"},
+                             404: {"NotFoundError"}, 503: {"ServiceUnavailableError", "Service Unavailable"}}[status]
     if param is not None:
-        assert error["param"] == param, error
+        if error["type"] == "Bad Request":  # a failed declared type: the field where it was sent (vLLM's param)
+            assert error["param"] == f"body.{param}" or error["param"].startswith(f"body.{param}."), error
+        else:
+            assert error["param"] == param, error
     return error
 
 
