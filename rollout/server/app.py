@@ -95,7 +95,7 @@ class ServerState:
     def check_model(self, model: str | None) -> None:
         # An absent model means "the one you serve", as vLLM does.
         if model is not None and model != self.model_name:
-            raise ModelNotFoundError(f"The model `{model}` does not exist.")
+            raise ModelNotFoundError(f"The model `{model}` does not exist. Valid aliases: {self.model_name}.")
 
 
 # ---------------------------------------------------------------------------- generation helpers

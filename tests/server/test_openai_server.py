@@ -285,10 +285,17 @@ def test_malformed_json(http, content):
 
 
 def test_openai_client_raises_typed_errors_and_server_keeps_serving(client):
-    with pytest.raises(openai.BadRequestError):
+    # The SDK picks its class by status and reads type, param and code from our error body (vLLM's values).
+    with pytest.raises(openai.BadRequestError) as bad:
         _complete(client, prompt="x", temperature=-1.0)
-    with pytest.raises(openai.NotFoundError):
+    assert (bad.value.type, bad.value.param, bad.value.status_code) == ("Bad Request", "body.temperature", 400)
+    assert "temperature" in bad.value.message
+    with pytest.raises(openai.BadRequestError) as bad:
+        _complete(client, prompt="x", max_tokens=257)
+    assert (bad.value.type, bad.value.param) == ("BadRequestError", "max_tokens")
+    with pytest.raises(openai.NotFoundError) as missing:
         _complete(client, prompt="x", model="gpt-4")
+    assert (missing.value.type, missing.value.param, missing.value.status_code) == ("NotFoundError", "model", 404)
     assert _complete(client, prompt="still serving", max_tokens=2).choices[0].text is not None
 
 
