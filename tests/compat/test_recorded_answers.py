@@ -8,6 +8,8 @@ and the body - the same keys (ours may carry extra keys only where EXTRA_KEYS li
 documented additions), the same JSON type for every value, and equal values except where VOLATILE
 says "type only" (ids, timestamps, text and logprobs of random weights, host paths, error prose).
 /metrics is compared by family names: every `vllm:` family vLLM exports must be among ours.
+Where ours answers differently on purpose, DELIBERATELY_DIFFERENT says what ours answers instead and
+why; each such exchange is checked against that entry and reported (a DeliberateDifference warning).
 """
 
 from __future__ import annotations
