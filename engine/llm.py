@@ -25,7 +25,7 @@ class LLM:
 
     def __init__(self, model: str, **engine_args: Any) -> None:
         self.config = create_engine_config(model=model, **engine_args)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer, truncation_side="left")  # as vLLM loads it for generation
         self.engine_client = InprocClient(self.config)
         self.engine_core = self.engine_client.engine_core  # for tests and callers that inspect it
         self.processor = Processor(self.config, self.tokenizer)
@@ -93,8 +93,14 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"{e} (prompt #{i})") from None
             requests.append((text, request))
-        for text, request in requests:
-            self._add_request(text, request)
+        try:
+            for text, request in requests:
+                self._add_request(text, request)
+        except BaseException:
+            # Refused (asleep, weights discarded): nothing of this call may stay registered, or the next
+            # generate() would wait for it forever.
+            self.abort([r.request_id for _, r in requests])
+            raise
         return self._run_engine([r.request_id for _, r in requests], use_tqdm)
 
     def chat(

@@ -186,6 +186,10 @@ DELIBERATELY_DIFFERENT: dict[str, tuple[dict, str]] = {
         "start_weight_update with no weight-transfer engine initialized starts an update that can receive "
         "nothing (every update_weights after it fails): ours refuses with a 400 naming "
         "init_weight_transfer_engine; vLLM answers 200"),
+    r"weight_checker_missing_action": (
+        {"status": 200, "weight_version": "v1"},
+        "ours-extra (docs/rl-controls.md, Coming from vLLM): /weight_checker without `action` is our HF-named "
+        "weight report (checked against hf_state_checksums); vLLM requires action and answers 400"),
     r"collective_rpc_missing_method": (
         {"status": 400, "error.type": "Bad Request", "error.param": "body.method"},
         "ours declares `method` as a required body field, so the missing field is named where it was sent "
