@@ -321,7 +321,8 @@ class AsyncLLM:
 
     # What EngineCore raises on a refused add_request while paused/asleep; the engine process
     # sends it back as an ERROR output with the message in stop_reason.
-    _NOT_READY_MESSAGES = {"the engine is paused": "paused", "the engine is asleep": "sleeping"}
+    _NOT_READY_MESSAGES = {"the engine is paused": "paused", "the engine is asleep": "sleeping",
+                           "the weights were discarded": "weights_discarded"}
 
     @classmethod
     def _raise_if_refused(cls, output: RequestOutput) -> None:

@@ -270,13 +270,21 @@ class EngineControls(Protocol):
         Sleeping at another level while asleep is a ValueError. A lockstep group pauses ("keep") first,
         so that no engine sleeps mid-wave."""
 
-    @control(Combine.OWN, route=Route(query=("tags",), answer=lambda awake, args: {
+    @control(Combine.OWN, route=Route(query=("tags", "reload_weights"), answer=lambda awake, args: {
         "status": "awake" if awake else "sleeping", "tags": args["tags"] or None},
         read=lambda answer: answer["status"] == "awake", metric=("sleep_mode", "wake")))
-    async def wake_up(self, tags: Annotated[list[str] | None, Arg(
-            "what to restore: some of weights, kv_cache, scheduling (WakeUpTag); all when left out")] = None) -> bool:
-        """Restores what sleep() freed (only `tags` when given); True once nothing sleeps. After sleep(2)
-        the weights are the checkpoint's again, and so is the weight version."""
+    async def wake_up(
+        self,
+        tags: Annotated[list[str] | None, Arg(
+            "what to restore: some of weights, kv_cache, scheduling (WakeUpTag); all when left out")] = None,
+        reload_weights: Annotated[bool, Arg(
+            "after sleep(2): read the checkpoint from disk into the weights (ours; vLLM never reloads)")] = False,
+    ) -> bool:
+        """Restores what sleep() freed (only `tags` when given); True once nothing sleeps. sleep(2) discarded
+        the weights: woken, they are zeros and the engine refuses to generate (EngineNotReadyError, reason
+        "weights_discarded", HTTP 503) until a finished weight update has written every one of them, which
+        then serve under its version; with reload_weights the checkpoint's are read again instead, under
+        the checkpoint's version."""
 
     @control(Combine.ALL, route=Route(constant=(("status", "kv_cache_released"),),
                                       metric=("sleep_mode", "release_kv_cache_memory")))

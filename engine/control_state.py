@@ -62,6 +62,9 @@ class ControlState:
         self._level = 0  # the last sleep's level (meaningful while asleep)
         self.weight_update_active = False  # between start_weight_update and its finish or abort
         self.weights_consistent = True  # False: a failed transfer that could not roll back left a mix
+        # sleep(2) then wake_up without reload_weights: the weights are zeros until an update writes them all,
+        # and add_request refuses (EngineCore); scheduling itself is not held (nothing can be queued).
+        self.weights_discarded = False
         self.init_pending = False  # an init_weight_transfer_engine waits for its peer
         self.weight_update_idle_timeout_s = weight_update_idle_timeout_s
         self._clock = clock

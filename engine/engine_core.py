@@ -126,6 +126,11 @@ class EngineCore:
         self.executor.check_alive()  # a dead worker: EngineDeadError (WorkerDiedError) for every new request
         if self.control.sleeping:
             raise EngineNotReadyError("the engine is asleep: no requests until wake_up()", reason="sleeping")
+        if self.control.weights_discarded:
+            raise EngineNotReadyError(
+                "the weights were discarded by sleep(level=2) and not all written since: push them with a weight "
+                "update (start_weight_update, update_weights, finish_weight_update) or wake_up(reload_weights=True) "
+                "to read the checkpoint", reason="weights_discarded")
         validate_request(request, self.max_model_len, self.vocab_size, self.has_routed_experts)
         self.scheduler.add_request(Request.from_engine_core_request(request))
 
@@ -302,25 +307,31 @@ class EngineCore:
         logger.info("EngineCore: asleep at level %d", level)
 
     @between_steps
-    def wake_up(self, tags: list[str] | None = None) -> bool:
+    def wake_up(self, tags: list[str] | None = None, reload_weights: bool = False) -> bool:
         """Wakes the given parts ("weights", "kv_cache", "scheduling"; None: all); awake parts are skipped.
 
         Scheduling needs the memory back: it wakes by itself with the last of weights and
         kv_cache, and asking for it while one of them still sleeps is a ValueError. After
-        sleep(2), "weights" re-allocates the weights and re-loads them from the checkpoint
-        directory, so the RL order sleep(2) -> wake_up(["weights"]) -> weight update ->
-        wake_up(["kv_cache"]) serves the update, and without the update the checkpoint, under the
-        checkpoint's weight_version ("default" unless update_weight_version labelled it).
+        sleep(2), "weights" brings the weights' memory back zero-filled and nothing is served
+        (add_request: EngineNotReadyError, reason "weights_discarded") until a finished weight
+        update has written every weight: the RL order sleep(2) -> wake_up(["weights"]) -> weight
+        update -> wake_up(["kv_cache"]) serves exactly the update, under its version. With
+        reload_weights, the checkpoint is read from disk instead and serves under the checkpoint's
+        weight_version ("default" unless update_weight_version labelled it).
         The KV cache comes back with the same number of blocks and an empty prefix cache.
         """
         to_wake = self.control.plan_wake_up(tags)
         memory = to_wake & MEMORY_TAGS
         if memory:
-            self.executor.rpc(Worker.wake_up, sorted(memory))
+            self.executor.rpc(Worker.wake_up, sorted(memory), reload_weights)
             if "weights" in memory and self.control.sleep_level == 2:
-                # The checkpoint was re-read from disk: outputs must not carry a trained version's
-                # label until a weight update lands (the RL order updates right after this call).
-                self._serve_checkpoint()
+                if reload_weights:
+                    # The checkpoint was re-read from disk: outputs must not carry a trained version's
+                    # label until a weight update lands.
+                    self.control.weights_discarded = False
+                    self._serve_checkpoint()
+                else:  # zeros until the trainer's weights land (the RL order updates right after this call)
+                    self.control.weights_discarded = True
         self.control.record_wake_up(to_wake)
         if to_wake:
             logger.info("EngineCore: woke up %s%s", sorted(to_wake), "" if self.control.sleeping else "; awake")
@@ -531,6 +542,12 @@ class EngineCore:
         if weight_version is not None:
             _checked_version("weight_version", weight_version)
         self.executor.rpc(Worker.finish_weight_update)
+        if self.control.weights_discarded:
+            unwritten = sorted({name for rank in self.executor.rpc(Worker.unwritten_weights) for name in rank})
+            self.control.weights_discarded = bool(unwritten)
+            if unwritten:
+                logger.warning("EngineCore: %d weights discarded by sleep(2) are still unwritten (e.g. %s): "
+                               "generation stays refused until an update writes them", len(unwritten), unwritten[:3])
         self._draft_update = False
         self._serving_checkpoint = False
         self.control.end_weight_update(consistent=True)

@@ -93,8 +93,14 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"{e} (prompt #{i})") from None
             requests.append((text, request))
-        for text, request in requests:
-            self._add_request(text, request)
+        try:
+            for text, request in requests:
+                self._add_request(text, request)
+        except BaseException:
+            # Refused (asleep, weights discarded): nothing of this call may stay registered, or the next
+            # generate() would wait for it forever.
+            self.abort([r.request_id for _, r in requests])
+            raise
         return self._run_engine([r.request_id for _, r in requests], use_tqdm)
 
     def chat(

@@ -393,10 +393,10 @@ class RolloutGroup:
             self._paused_for_sleep = True
         await self._fan_out("sleep", level, mode)
 
-    async def wake_up(self, tags: list[str] | None = None) -> bool:
+    async def wake_up(self, tags: list[str] | None = None, reload_weights: bool = False) -> bool:
         """Every engine wakes (the given tags); lockstep engines paused by sleep() resume once fully awake.
         True once nothing sleeps on any engine."""
-        await self._fan_out("wake_up", tags)
+        await self._fan_out("wake_up", tags, reload_weights)
         awake = not await self.is_sleeping()
         if self._paused_for_sleep and awake:
             self._paused_for_sleep = False

@@ -5,8 +5,10 @@
     level 2  weights discarded, KV cache tensors dropped; buffers such as the rotary cos/sin
              caches are kept
 
-wake_up("weights") copies the host copies back (level 1) or re-loads the checkpoint (level 2): a
-trainer's weight update may follow, or not, and either way the weights are right. wake_up("kv_cache")
+wake_up("weights") copies the host copies back (level 1). After level 2 the weights' values are gone:
+wake_up zero-fills them and the target model's WeightUpdater marks every weight unwritten (the
+engine refuses to generate until a weight update has written them all), unless reload_weights asks
+for the checkpoint to be read again from disk. wake_up("kv_cache")
 brings the KV tensors back with the shapes (so the number of blocks) they had, zero-filled: their old
 contents are gone, so the caller must reset its prefix cache.
 
@@ -198,14 +200,15 @@ class WorkerSleeper:
 
     # ---- wake-up -------------------------------------------------------------------------------
 
-    def wake_up(self, tags: list[str]) -> None:
-        """Weights before KV cache; without fixed addresses, graphs are captured again once both are back."""
+    def wake_up(self, tags: list[str], reload_weights: bool = False) -> None:
+        """Weights before KV cache; without fixed addresses, graphs are captured again once both are back.
+        reload_weights: after level 2, read the checkpoint into the weights (else they stay unwritten)."""
         start = time.perf_counter()
         woke = set(tags) & self.asleep
         # Fixed addresses: the weights' copy is queued first, so that mapping the KV cache's pages (host work)
         # and zeroing them (on the SMs) run while the copy engine moves the weights.
         if "weights" in woke:
-            self._restore_weights()
+            self._restore_weights(reload_weights)
         if "kv_cache" in woke:
             self._restore_kv_cache()
         self.asleep -= woke
@@ -217,7 +220,7 @@ class WorkerSleeper:
             logger.info("Worker: woke up %s (%.3f s)", sorted(woke), time.perf_counter() - start)
 
     @torch.no_grad()
-    def _restore_weights(self) -> None:
+    def _restore_weights(self, reload_weights: bool) -> None:
         if self.fixed:
             region = self.worker.weight_region
             region.restore()
@@ -231,8 +234,8 @@ class WorkerSleeper:
                     region.tensor[:num_bytes].copy_(self.host_buffer[:num_bytes], non_blocking=True)
                 # wake_up ends with a device-wide synchronize: no step reads the weights before they landed
             else:
-                region.tensor.zero_()  # defined contents until the checkpoint's land
-                self._reload_checkpoint({name for name, _ in self._params()})
+                region.tensor.zero_()  # defined contents until the checkpoint's or the trainer's land
+                self._refill_discarded(reload_weights)
             return
         params = self._params()
         if self.host_weights is not None:
@@ -243,16 +246,22 @@ class WorkerSleeper:
         elif self.discarded_weights is not None:
             for name, param in params:
                 shape, dtype = self.discarded_weights[name]
-                param.data = torch.empty(shape, dtype=dtype, device=self.device)
-            self._reload_checkpoint(set(self.discarded_weights))
+                param.data = torch.zeros(shape, dtype=dtype, device=self.device)
             self.discarded_weights = None
+            self._refill_discarded(reload_weights)
 
-    def _reload_checkpoint(self, expected: set[str]) -> None:
-        model_dir = self.worker.config.model.model
-        loaded = self.worker.model.load_weights(iterate_safetensors(model_dir))
-        missing = sorted(expected - loaded)
+    def _refill_discarded(self, reload_weights: bool) -> None:
+        """After level 2: the checkpoint read again (reload_weights), or every weight marked unwritten."""
+        worker = self.worker
+        if not reload_weights:
+            worker.weight_updaters.target.discard()
+            return
+        model_dir = worker.config.model.model
+        loaded = worker.model.load_weights(iterate_safetensors(model_dir))
+        missing = sorted({name for name, _ in self._params()} - loaded)
         if missing:
             raise RuntimeError(f"wake_up: checkpoint {model_dir} is missing parameters: {missing}")
+        worker.weight_updaters.target.unwritten = set()
 
     def _restore_kv_cache(self) -> None:
         worker = self.worker

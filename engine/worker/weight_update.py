@@ -96,6 +96,11 @@ class WeightUpdater:
         # False after a failed transfer that could not be rolled back (rollback "none"): the
         # weights are a mix and must not serve until an update finishes.
         self.consistent = True
+        # Layout names whose values sleep(2) discarded (wake_up without reload_weights zero-fills them) and no
+        # finished update has written since: while any is left the engine refuses to generate.
+        self.unwritten: set[str] = set()
+        self._written_in_update: set[str] = set()  # dense writes of the update in progress
+        self._written_in_call: set[str] = set()  # ... of its call in progress (undone with the call)
         # The rollback reads the current layout through a weak reference: a closure over self, kept in
         # self, would be a cycle that keeps the model's weights alive until the collector runs.
         updater = weakref.ref(self)
@@ -154,6 +159,7 @@ class WeightUpdater:
         if addresses != self._plans_for:  # the weights moved (sleep and wake_up): the plans' views are stale
             self._plans, self._plans_for = {}, addresses
         self._rollback.clear()
+        self._written_in_update = set()
         self.updating = True
 
     def update_weights(self, update_info: dict) -> int:
@@ -169,6 +175,7 @@ class WeightUpdater:
         finite = FiniteChecks()
         after_stream: list[LandingPlan] = []  # groups whose views outlive the stream: landed once all is checked
         self._rollback.start_call()
+        self._written_in_call = set()
         stream = None
         name = None  # the last tensor received, for the error of a failed transfer
         count = 0
@@ -202,6 +209,7 @@ class WeightUpdater:
                     torch.cuda.current_stream(plan.srcs[0].device).synchronize()
         except ValueError as e:  # a tensor failed validation (or the backend refused one): undo this call only
             self._rollback.undo_call()
+            self._written_in_update -= self._written_in_call
             raise ValueError(f"weight update rejected, no weight was changed: {e}") from None
         except Exception as e:  # the transfer failed: undo the whole update and end it
             raise self._transfer_failed(e, name) from e
@@ -237,6 +245,14 @@ class WeightUpdater:
     def _land(self, plan: LandingPlan) -> None:
         self._rollback.save(plan.touched)  # before anything is overwritten
         land(self.model, self.layout, plan)
+        # Whole tensors only: a sparse patch on discarded (zeroed) weights does not make them the trainer's.
+        written = [*plan.targets, *(target for target, item in plan.rest if isinstance(item, torch.Tensor))]
+        self._written_in_call.update(written)
+        self._written_in_update.update(written)
+
+    def discard(self) -> None:
+        """Every weight's value is gone (sleep(2), woken without reading the checkpoint): unwritten until updated."""
+        self.unwritten = set(self.layout)
 
     def _transfer_failed(self, error: Exception, name: str | None) -> WeightTransferError:
         """After a failed transfer: restores everything since start_update, ends the update, and gives the error to raise."""
@@ -256,6 +272,7 @@ class WeightUpdater:
         self.updating = False
         self._rollback.clear()
         self.consistent = True
+        self.unwritten -= self._written_in_update
         engine.finish_update()
 
     def abort_update(self) -> bool:

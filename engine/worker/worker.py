@@ -460,8 +460,12 @@ class Worker:
                 region.close()
                 setattr(self, name, None)
 
-    def wake_up(self, tags: list[str]) -> None:
-        self.sleeper.wake_up(tags)
+    def wake_up(self, tags: list[str], reload_weights: bool = False) -> None:
+        self.sleeper.wake_up(tags, reload_weights)
+
+    def unwritten_weights(self) -> list[str]:
+        """The served model's weights sleep(2) discarded that no finished update has written since (sorted)."""
+        return sorted(self.weight_updaters.target.unwritten)
 
     def synchronize(self) -> None:
         """Waits for every queued device operation (a no-op on CPU)."""

@@ -195,6 +195,12 @@ DELIBERATELY_DIFFERENT: dict[str, tuple[dict, str]] = {
         "ours declares `method` as a required body field, so the missing field is named where it was sent "
         "(param body.method), as vLLM names every declared field (update_weight_version's body.new_version); "
         "vLLM's collective_rpc checks it by hand and leaves param null"),
+    r"completions_after_sleep_and_release": (
+        {"status": 503},
+        "the engine slept at level 2 (067) and was woken without a weight update: its weights were discarded, "
+        "so ours refuses to generate (503 naming sleep(level=2), a weight update and wake_up's reload_weights) "
+        "rather than serve whatever the memory holds under the old version; vLLM serves (here from weights "
+        "its CPU build never freed)"),
     r"completions_prompt_over_max_model_len": (
         {"status": 400, "error.type": "BadRequestError", "error.param": "prompt"},
         "param names the request field that is too long (prompt, as OpenAI names the input of a "

@@ -244,7 +244,7 @@ def test_sleep_releases_memory_and_outputs_after_wake_up_are_unchanged(core, lev
     assert refused.value.reason == "sleeping"
     core.sleep(level)  # again at the same level: nothing happens
 
-    core.wake_up()
+    core.wake_up(reload_weights=level == 2)  # level 2 discarded the weights: read the checkpoint again
     assert not core.is_sleeping()
     assert core.make_stats().sleep_level == 0
     assert [layer.kv_cache.shape for layer in worker.attn_layers] == kv_shapes  # same number of blocks
@@ -274,26 +274,30 @@ def test_rl_order_sleep_2_wake_weights_update_wake_kv_cache(core):
     checkpoint = {n: p.detach().clone() for n, p in model.named_parameters()}
     core.sleep(2)
 
-    core.wake_up(["weights"])  # re-allocated and re-loaded from the checkpoint
+    core.wake_up(["weights"])  # their memory is back, zero-filled: the trainer's weights come next
     assert core.is_sleeping()
-    assert all(torch.equal(p, checkpoint[n]) for n, p in model.named_parameters())
+    assert all(not p.any() for p in model.parameters())
     with pytest.raises(EngineNotReadyError, match="asleep"):
         core.add_request(_request("x", PROMPTS[0]))
     with pytest.raises(ValueError, match="tags"):
         core.wake_up(["scheduling"])  # the KV cache still sleeps
     assert core.is_sleeping() and core.executor.worker.sleeper.asleep == {"kv_cache"}
 
-    # The weight update: the trainer's tensors go through the same loaders as the checkpoint.
-    from engine.models.loader import iterate_safetensors
+    # The weight update (here the checkpoint's own tensors, pushed as a trainer would).
+    from safetensors.torch import load_file
 
-    model.load_weights(iterate_safetensors(core.config.model.model))
+    core.init_weight_transfer_engine({"backend": "local"})
+    core.start_weight_update()
+    core.update_weights({"weights": load_file(f"{core.config.model.model}/model.safetensors")})
+    core.finish_weight_update(weight_version="pushed")
     core.wake_up(["kv_cache"])
     assert not core.is_sleeping()
     assert _reference(core, "after") == reference
+    assert all(torch.equal(p, checkpoint[n]) for n, p in model.named_parameters())
 
-    # Without an update the checkpoint's weights serve as well.
+    # Without an update, reload_weights reads the checkpoint again.
     core.sleep(2)
-    core.wake_up(["weights"])
+    core.wake_up(["weights"], reload_weights=True)
     core.wake_up(["kv_cache"])
     assert _reference(core, "again") == reference
 
@@ -303,7 +307,7 @@ def test_wake_up_order_kv_cache_first_also_works(core):
     core.sleep(2)
     core.wake_up(["kv_cache"])
     assert core.is_sleeping()
-    core.wake_up(["weights"])
+    core.wake_up(["weights"], reload_weights=True)
     assert not core.is_sleeping()
     assert _reference(core, "after") == reference
 
@@ -487,7 +491,7 @@ def test_mp_sleep_and_partial_wake_up_over_a_real_engine_process(mp_client):
         client.call_utility("sleep", 3)
     with pytest.raises(EngineUtilityError, match="tags"):
         client.call_utility("wake_up", ["weights", "gpu"])
-    client.call_utility("wake_up", ["weights"])
+    client.call_utility("wake_up", ["weights"], True)  # reload_weights: the checkpoint read again
     assert client.call_utility("is_sleeping") is True
     client.call_utility("wake_up", ["kv_cache"])
     assert client.call_utility("is_sleeping") is False

@@ -16,7 +16,8 @@ import schemathesis
 # What undoes each control a fuzzed call may have switched on.
 _UNDO = {
     "/pause": ["/resume"],
-    "/sleep": ["/wake_up", "/resume"],
+    # After sleep(2) the weights were discarded: reload_weights reads the checkpoint, or nothing serves.
+    "/sleep": ["/wake_up?reload_weights=true", "/resume"],
     "/start_weight_update": ["/abort_weight_update"],
     "/start_draft_weight_update": ["/abort_weight_update"],
     "/release_kv_cache_memory": ["/wake_up", "/resume"],

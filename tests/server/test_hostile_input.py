@@ -315,11 +315,12 @@ def test_an_unexpected_exception_is_a_json_500_and_keeps_the_connection(tiny_che
 # ---------------------------------------------------------------------------- 10. sleep(2) without an update
 
 
-def test_waking_from_level_2_without_an_update_serves_the_checkpoint_under_its_own_version(
+def test_waking_from_level_2_without_an_update_refuses_and_a_reload_serves_the_checkpoint_under_its_version(
     server, client, baseline, tiny_checkpoint
 ):
-    """sleep(2) discards the weights and wake_up re-reads the checkpoint: the trained version's label
-    must not stay on outputs that the checkpoint's weights computed."""
+    """sleep(2) discards the weights: woken without an update the server refuses to generate (503 saying
+    why) rather than serve zeros or a stale version; wake_up?reload_weights=true re-reads the checkpoint,
+    and the trained version's label must not stay on outputs that the checkpoint's weights computed."""
     from rl_http import local_update_over_http
     from safetensors.torch import load_file
 
@@ -329,7 +330,11 @@ def test_waking_from_level_2_without_an_update_serves_the_checkpoint_under_its_o
     assert _greedy(client) != baseline["text"]
 
     assert client.post("/sleep", params={"level": 2}).status_code == 200
-    assert client.post("/wake_up").status_code == 200
+    assert client.post("/wake_up").json() == {"status": "awake", "tags": None}
+    refused = client.post("/v1/completions", json=GREEDY)
+    assert refused.status_code == 503 and "discarded by sleep(level=2)" in refused.json()["error"]["message"]
+    assert client.post("/sleep", params={"level": 2}).status_code == 200
+    assert client.post("/wake_up", params={"reload_weights": True}).status_code == 200
     assert client.get("/get_weight_version").json() == {"weight_version": "default"}
     r = client.post("/v1/completions", json={**GREEDY, "return_weight_versions": True})
     choice = r.json()["choices"][0]

@@ -294,10 +294,10 @@ def test_a_repeated_call_reuses_its_landing_plan_and_still_checks_and_lands_righ
     core.abort_weight_update()
     assert core.weight_checker(hf_state_checksums(new_state))["match"]
 
-    # Sleep level 2 gives the parameters new storage (wake_up reloads the checkpoint's weights):
-    # a stale plan would land in the old storage, and the engine would keep serving the checkpoint.
+    # Sleep level 2 may give the parameters new storage (wake_up(reload_weights) reads the checkpoint's
+    # weights): a stale plan would land in the old storage, and the engine would keep serving the checkpoint.
     core.sleep(level=2)
-    core.wake_up()
+    core.wake_up(reload_weights=True)
     assert core.weight_checker(hf_state_checksums(old_state))["match"]
     sync(new_state, "v4")
     assert core.weight_checker(hf_state_checksums(new_state))["match"]
