@@ -252,7 +252,7 @@ class WeightUpdater:
 
     def discard(self) -> None:
         """Every weight's value is gone (sleep(2), woken without reading the checkpoint): unwritten until updated."""
-        self.unwritten = set(self.layout)
+        self.unwritten = {name for name, slot in self.layout.items() if slot.alias_of is None}  # a tied alias lands in its owner
 
     def _transfer_failed(self, error: Exception, name: str | None) -> WeightTransferError:
         """After a failed transfer: restores everything since start_update, ends the update, and gives the error to raise."""

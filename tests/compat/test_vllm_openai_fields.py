@@ -74,7 +74,8 @@ def test_tokenize_token_strs_and_tokenizer_info_as_vllm_builds_them(http, vllm_i
 
     tokenize = vllm_import("vllm.entrypoints.serve.tokenize.protocol")
     serving = vllm_import("vllm.entrypoints.serve.tokenize.serving")
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    # As vLLM loads a generating model's tokenizer (vllm/tokenizers/registry.py: truncation_side "left").
+    tokenizer = AutoTokenizer.from_pretrained(model_path, truncation_side="left")
 
     answer = http.post("/tokenize", json={"prompt": "hello world", "return_token_strs": True}).json()
     tokenize.TokenizeResponse.model_validate(answer)

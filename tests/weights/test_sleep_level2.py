@@ -96,3 +96,21 @@ def test_reload_weights_reads_the_checkpoint_under_its_version(engine):
     core.wake_up(reload_weights=True)
     assert _tokens(engine_greedy(llm)) == hf_greedy(hf_model(old))
     assert core.get_weight_version() != "trained"  # the checkpoint's version, not the discarded update's
+
+
+def test_tied_embeddings_count_as_written_with_the_embedding(checkpoints):
+    """A tied lm_head is an alias of the embedding: a trainer sends the embedding once (as the checkpoint
+    holds it), and that writes both."""
+    old, new = checkpoints("qwen3")
+    llm = _llm(old)
+    try:
+        core = llm.engine_core
+        core.init_weight_transfer_engine({"backend": "local"})
+        state = read_state(new)
+        assert "lm_head.weight" not in state  # tied: saved once
+        core.sleep(2)
+        core.wake_up()
+        _push(core, state, "tied")
+        assert _tokens(engine_greedy(llm)) == hf_greedy(hf_model(new))
+    finally:
+        llm.shutdown()
