@@ -5,7 +5,9 @@ process) sleeps and wakes `--cycles` times; each cycle records the wall time of 
 wake_up() (the call, device synchronized), the device memory the sleep gave back (cudaMemGetInfo:
 what another process could now allocate) as a share of what the engine held, and whether a greedy
 batch (`--batch-sizes`, 190-token prompts, 32 new tokens, with the sampled tokens' logprobs) gives
-bit-identical tokens and logprobs after the wake-up. The batch also runs three times without
+bit-identical tokens and logprobs after the wake-up. After level 2 the weights were discarded: the
+engine must refuse to generate until the checkpoint's tensors (held on the device, as a trainer
+holds its own) are pushed with a weight update (timed on its own), and then serve them exactly. The batch also runs three times without
 sleeping first (the reference for all comparisons). The prefix cache is reset after every batch,
 so each batch computes its prompts (a cache hit computes differently: issue 28, not this one).
 The floor: the weights' bytes over the pinned host<->device bandwidth measured in the same run
@@ -25,12 +27,14 @@ import sys
 import time
 
 import torch
+from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.gpu_common import median, shape_checkpoint, weight_bytes  # noqa: E402
 from engine.engine_args import create_engine_config  # noqa: E402
 from engine.engine_core import EngineCore  # noqa: E402
+from engine.exceptions import EngineNotReadyError  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.wire import EngineCoreRequest  # noqa: E402
 
@@ -91,6 +95,22 @@ def run_batch(core: EngineCore, prompts: list[list[int]], tag: str) -> list[tupl
     return [(tokens[f"{tag}-{i}"], logprobs.get(f"{tag}-{i}", [])) for i in range(len(prompts))]
 
 
+def refuses_generation(core: EngineCore) -> bool:
+    """True if a request is refused because sleep(2) discarded the weights."""
+    try:
+        core.add_request(EngineCoreRequest("refused", [1, 2, 3], SamplingParams(max_tokens=1), eos_token_id=None))
+    except EngineNotReadyError as e:
+        return e.reason == "weights_discarded"
+    core.abort_requests(["refused"])
+    return False
+
+
+def push(core: EngineCore, state: dict[str, torch.Tensor], version: str) -> None:
+    core.start_weight_update()
+    core.update_weights({"weights": state})
+    core.finish_weight_update(weight_version=version)
+
+
 def same(a, b) -> int:
     """How many requests of two runs have bit-identical tokens and logprobs."""
     return sum(x == y for x, y in zip(a, b, strict=True))
@@ -120,6 +140,9 @@ def bench_shape(shape: str, args, h2d: float, d2h: float) -> list[dict]:
     engine_bytes = device_used() - used_before_engine
     weights = weight_bytes(worker.model)
     floor_s = {1: weights / d2h, 2: 0.0}, {1: weights / h2d, 2: 0.0}  # (sleep, wake_up)
+    # The checkpoint's tensors on the device, pushed after each level-2 wake-up as a trainer's would be.
+    state = load_file(os.path.join(path, "model.safetensors"), device="cuda")
+    core.init_weight_transfer_engine({"backend": "local"})
     reference = {n: run_batch(core, p, f"ref{n}") for n, p in batches.items()}
     repeat_same = {n: min(same(reference[n], run_batch(core, p, f"rep{n}-{r}")) for r in range(2))
                    for n, p in batches.items()}
@@ -135,9 +158,14 @@ def bench_shape(shape: str, args, h2d: float, d2h: float) -> list[dict]:
             freed = used - device_used()
             remaining = used - freed - used_before_engine
             wake_s = timed(lambda: core.wake_up())
+            refused = update_s = None
+            if level == 2:  # the weights were discarded: refused until the trainer's (here the same) weights land
+                refused = refuses_generation(core)
+                update_s = timed(lambda: push(core, state, f"l2c{cycle}"))
             outputs = {n: same(reference[n], run_batch(core, p, f"l{level}c{cycle}-{n}")) for n, p in batches.items()}
             rows.append(dict(
                 shape=shape, level=level, cycle=cycle, sleep_s=sleep_s, wake_up_s=wake_s,
+                refused_until_update=refused, update_after_wake_s=update_s,
                 sleep_floor_s=floor_s[0][level], wake_up_floor_s=floor_s[1][level],
                 freed_bytes=freed, engine_bytes=engine_bytes, freed_share=freed / engine_bytes,
                 remaining_bytes=remaining, allocator_reserved_asleep=reserved_asleep, remains=remains,
@@ -151,7 +179,8 @@ def bench_shape(shape: str, args, h2d: float, d2h: float) -> list[dict]:
                   f"  wake_up {1e3 * wake_s:8.1f} ms (floor {1e3 * r['wake_up_floor_s']:6.1f})"
                   f"  freed {100 * r['freed_share']:6.2f}% ({remaining / 2**20:7.1f} MiB left: "
                   + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in remains.items()) + " MiB)"
-                  f"  graphs kept {r['graphs_kept']}  identical {r['identical']}  no-sleep {r['repeated_without_sleep']}",
+                  f"  graphs kept {r['graphs_kept']}  identical {r['identical']}  no-sleep {r['repeated_without_sleep']}"
+                  + (f"  refused until update {refused}, update {1e3 * update_s:.1f} ms" if level == 2 else ""),
                   flush=True)
     core.shutdown()
     del core, worker, graphs
