@@ -24,23 +24,14 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.gpu_common import shape_checkpoint  # noqa: E402
+from benchmarks.gpu_common import shape_checkpoint, timed  # noqa: E402
 
 PHASES = ("sleep", "train", "wake_weights", "weight_sync", "wake_kv_cache", "rollout")
-
-
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def main() -> None:

@@ -177,6 +177,15 @@ class StepTimer:
         return out
 
 
+def timed(fn) -> float:
+    """Wall seconds of fn() with the device synchronized before and after (what the caller waits for)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def median(xs):
     xs = sorted(xs)
     return xs[len(xs) // 2] if xs else float("nan")

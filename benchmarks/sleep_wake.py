@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.gpu_common import median, shape_checkpoint, weight_bytes  # noqa: E402
+from benchmarks.gpu_common import median, shape_checkpoint, timed, weight_bytes  # noqa: E402
 from engine.engine_args import create_engine_config  # noqa: E402
 from engine.engine_core import EngineCore  # noqa: E402
 from engine.exceptions import EngineNotReadyError  # noqa: E402
@@ -114,14 +114,6 @@ def push(core: EngineCore, state: dict[str, torch.Tensor], version: str) -> None
 def same(a, b) -> int:
     """How many requests of two runs have bit-identical tokens and logprobs."""
     return sum(x == y for x, y in zip(a, b, strict=True))
-
-
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def bench_shape(shape: str, args, h2d: float, d2h: float) -> list[dict]:

@@ -36,14 +36,14 @@ def worker(checkpoint):
     worker.shutdown()
 
 
-def _trainer_model(path: str, seed: int) -> torch.nn.Module:
-    """float32 master weights on the GPU, every parameter changed (deterministically by seed)."""
+def _trainer_model(path: str, seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Master weights of `dtype` on the GPU, every parameter changed (deterministically by seed)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model.cuda()
+    return model.to(dtype).cuda()
 
 
 def _source(model: torch.nn.Module) -> ModuleSource:

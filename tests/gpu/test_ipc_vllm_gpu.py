@@ -24,6 +24,8 @@ from weight_transfer.checksums import hf_state_checksums
 from weight_transfer.clients import LocalWeightSyncClient, WeightSyncError
 from weight_transfer.ipc import IPCTrainerInitInfo
 
+from test_ipc_gpu import _trainer_model as ipc_trainer_model  # tests/gpu: one way to make a changed trainer model
+
 pytestmark = pytest.mark.gpu
 
 BUFFER = 32 << 10  # several packed calls for the tiny llama; its embedding / lm_head (64 KiB bf16) need a larger one
@@ -59,13 +61,8 @@ def worker(checkpoint):
 
 
 def _trainer_model(path: str, seed: int) -> torch.nn.Module:
-    """bf16 weights on the GPU, every parameter changed (deterministically by seed)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model.to(torch.bfloat16).cuda()
+    """bf16 weights on the GPU, every parameter changed (deterministically by seed): test_ipc_gpu's, in bf16."""
+    return ipc_trainer_model(path, seed, torch.bfloat16)
 
 
 def _engine_has(worker: RolloutWorker, model: torch.nn.Module) -> bool:
