@@ -13,6 +13,7 @@ Use around the call that does the work, failed calls included (vLLM counts those
 
 from __future__ import annotations
 
+
 import threading
 import time
 from collections.abc import Iterator
@@ -81,32 +82,26 @@ class OperationMetrics:
 
 
 _lock = threading.Lock()
-_weight_operations: OperationMetrics | None = None
-_sleep_mode_operations: OperationMetrics | None = None
+_families: dict[str, OperationMetrics] = {}  # prefix -> its metrics, registered once (a second would be an error)
+
+
+def _operations(prefix: str, what: str, operations: tuple[str, ...]) -> OperationMetrics:
+    with _lock:
+        if prefix not in _families:
+            _families[prefix] = OperationMetrics(prefix, what, operations, FRONTEND_REGISTRY)
+        return _families[prefix]
 
 
 def weight_operation_metrics() -> OperationMetrics:
     """vllm:rl_weight_update_operation_duration_seconds and vllm:rl_weight_update_operations_in_flight,
     for the operations init, start, start_draft, update, finish and shutdown (made on first use)."""
-    global _weight_operations
-    with _lock:
-        if _weight_operations is None:
-            _weight_operations = OperationMetrics(
-                "rl_weight_update_operation", "weight-transfer", WEIGHT_OPERATIONS, FRONTEND_REGISTRY
-            )
-        return _weight_operations
+    return _operations("rl_weight_update_operation", "weight-transfer", WEIGHT_OPERATIONS)
 
 
 def sleep_mode_operation_metrics() -> OperationMetrics:
     """vllm:sleep_mode_operation_duration_seconds and vllm:sleep_mode_operations_in_flight, for the
     operations sleep, release_kv_cache_memory and wake (made on first use)."""
-    global _sleep_mode_operations
-    with _lock:
-        if _sleep_mode_operations is None:
-            _sleep_mode_operations = OperationMetrics(
-                "sleep_mode_operation", "sleep-mode", SLEEP_MODE_OPERATIONS, FRONTEND_REGISTRY
-            )
-        return _sleep_mode_operations
+    return _operations("sleep_mode_operation", "sleep-mode", SLEEP_MODE_OPERATIONS)
 
 
 def frontend_metrics_text() -> bytes:
