@@ -64,10 +64,10 @@ def device_used() -> int:
     return total - free
 
 
-def what_remains(worker) -> dict[str, int]:
+def what_remains(worker, not_the_engines: int) -> dict[str, int]:
     """Where the device memory an asleep engine keeps lies, by the caching allocator's segments: CUDA graphs'
     private pools, live tensors in the default pool (buffers such as rotary caches, the runner's persistent
-    inputs, cuBLAS workspaces) and cached free blocks."""
+    inputs, cuBLAS workspaces; less `not_the_engines` bytes of this script's own tensors) and cached free blocks."""
     graph_pools = default_live = default_free = 0
     for seg in torch.cuda.memory_snapshot():
         live = sum(b["size"] for b in seg["blocks"] if b["state"] == "active_allocated")
@@ -77,7 +77,8 @@ def what_remains(worker) -> dict[str, int]:
             default_live += live
             default_free += seg["total_size"] - live
     buffers = sum(b.numel() * b.element_size() for b in worker.model.buffers() if b.is_cuda)
-    return dict(graph_pools=graph_pools, live_tensors=default_live, model_buffers=buffers, cached_free=default_free)
+    return dict(graph_pools=graph_pools, live_tensors=default_live - not_the_engines, model_buffers=buffers,
+                cached_free=default_free)
 
 
 def run_batch(core: EngineCore, prompts: list[list[int]], tag: str) -> list[tuple[list[int], list[float]]]:
@@ -129,11 +130,12 @@ def bench_shape(shape: str, args, h2d: float, d2h: float) -> list[dict]:
         gpu_memory_utilization=args.gpu_memory_utilization, sleep_fixed_addresses=not args.allocator,
     ))
     worker = core.executor.worker
-    engine_bytes = device_used() - used_before_engine
     weights = weight_bytes(worker.model)
     floor_s = {1: weights / d2h, 2: 0.0}, {1: weights / h2d, 2: 0.0}  # (sleep, wake_up)
     # The checkpoint's tensors on the device, pushed after each level-2 wake-up as a trainer's would be.
+    # They are this script's (the trainer's), not the engine's: the memory accounting leaves them out.
     state = load_file(os.path.join(path, "model.safetensors"), device="cuda")
+    state_bytes = sum(t.numel() * t.element_size() for t in state.values())
     core.init_weight_transfer_engine({"backend": "local"})
     reference = {n: run_batch(core, p, f"ref{n}") for n, p in batches.items()}
     repeat_same = {n: min(same(reference[n], run_batch(core, p, f"rep{n}-{r}")) for r in range(2))
@@ -142,13 +144,15 @@ def bench_shape(shape: str, args, h2d: float, d2h: float) -> list[dict]:
     rows = []
     for level in args.levels:
         for cycle in range(args.cycles):
+            # The engine's footprint now, not at start-up: running batches and updates grow its allocator's cache.
             used = device_used()
+            engine_bytes = used - used_before_engine - state_bytes
             sleep_s = timed(lambda: core.sleep(level))
             gc.collect()
             reserved_asleep = torch.cuda.memory_reserved()  # the caching allocator's: graph pools, workspaces
-            remains = what_remains(worker)
+            remains = what_remains(worker, state_bytes)
             freed = used - device_used()
-            remaining = used - freed - used_before_engine
+            remaining = engine_bytes - freed
             wake_s = timed(lambda: core.wake_up())
             refused = update_s = None
             if level == 2:  # the weights were discarded: refused until the trainer's (here the same) weights land
