@@ -76,7 +76,7 @@ class AsyncLLM:
 
     def __init__(self, config: EngineConfig, *, multiprocess: bool = True, model_name: str | None = None) -> None:
         self.config = config
-        self.model_name = model_name or config.model.model
+        self.model_name = model_name or config.model.model_name  # the name given: a hub name, not its snapshot path
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer, truncation_side="left")  # as vLLM loads it for generation
         self.processor = Processor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from engine.allowed_hosts import LOOPBACK_HOSTS, AllowedHosts
+from engine.model_source import hub_repo_id, resolve_checkpoint, split_hub_name
 
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 LoadFormat = Literal["auto", "dummy"]
@@ -21,9 +22,17 @@ class ModelConfig:
     """What model to run and how to read its checkpoint."""
 
     model: str
-    """Path of an HF-format checkpoint directory (config.json, *.safetensors, tokenizer)."""
+    """An HF-format checkpoint directory (config.json, *.safetensors, tokenizer), or a hub name ORG/NAME[@revision] fetched into the Hugging Face cache (HF_HOME / HF_HUB_CACHE; HF_HUB_OFFLINE=1 reads the cache only). After validation this is the local directory; the name given stays `model_name`."""
     tokenizer: str | None = None
-    """Tokenizer directory; defaults to `model`."""
+    """Tokenizer directory or hub name; defaults to `model`."""
+    revision: str | None = None
+    """The hub model's branch, tag or commit (as ORG/NAME@revision); default: the repository's main branch."""
+    tokenizer_revision: str | None = None
+    """The hub tokenizer's branch, tag or commit when `tokenizer` is a separate hub name; defaults to `revision`."""
+    hf_token: str | None = None
+    """Bearer token for private or gated hub models; default: HF_TOKEN or the token `hf auth login` stored. Used while resolving the model only, then cleared (never shown by /server_info)."""
+    download_dir: str | None = None
+    """Hugging Face cache directory to download hub models into and read them from; default: HF_HUB_CACHE (HF_HOME/hub)."""
     dtype: DTypeName = "auto"
     """Weight and activation dtype; `auto` is float32 on CPU and bfloat16 on GPU."""
     max_model_len: int | None = None
@@ -40,15 +49,33 @@ class ModelConfig:
     """GPU: one fixed-tile GEMM for every linear layer and one attention tile shape for every row, so a token's logits do not depend on the other rows of its step (a request gives the same tokens alone, in any batch, and with or without speculative decoding, in bf16 too). Slower; engine/kernels/batch_invariant.py."""
 
     def __post_init__(self) -> None:
-        if self.tokenizer is None:
-            self.tokenizer = self.model
         _check_choice("dtype", self.dtype, DTypeName)
         _check_choice("logprobs_mode", self.logprobs_mode, LogprobsMode)
         _check_choice("load_format", self.load_format, LoadFormat)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if not os.path.isfile(os.path.join(self.model, "config.json")):
-            raise ValueError(f"model: {self.model!r} is not a directory with a config.json")
+        self._resolve_checkpoints()
+
+    def _resolve_checkpoints(self) -> None:
+        """Turns `model` and `tokenizer` into local directories, once, so the engine process, tokenizer, weight
+        loader and reload_weights all read the same snapshot; `model_name` keeps the name to serve (vLLM's
+        served model name: a hub name without its @revision)."""
+        self.model_name = hub_repo_id(self.model)
+        token, self.hf_token = self.hf_token, None
+        parts = None if os.path.isdir(self.model) else split_hub_name(self.model)
+        if parts is not None and parts[1] is not None and self.revision is None:
+            self.revision = parts[1]
+        if self.tokenizer_revision is None:
+            self.tokenizer_revision = self.revision
+        hub = {"download_dir": self.download_dir, "token": token}
+        given_model, self.model = self.model, resolve_checkpoint(
+            self.model, revision=self.revision, weights=self.load_format != "dummy", **hub)
+        same_repo = self.tokenizer in (None, given_model)
+        if same_repo and self.tokenizer_revision == self.revision:
+            self.tokenizer = self.model
+        else:  # a separate tokenizer, or the model's repository at another revision (as vLLM reads it)
+            self.tokenizer = resolve_checkpoint(self.model_name if same_repo else self.tokenizer, field="tokenizer",
+                                                revision=self.tokenizer_revision, weights=False, need_config=False, **hub)
 
     def hf_config_dict(self) -> dict:
         with open(os.path.join(self.model, "config.json")) as f:

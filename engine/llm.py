@@ -31,7 +31,7 @@ class LLM:
         self.processor = Processor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
-        self.stat_loggers = StatLoggerManager(self.config, model_name=model)
+        self.stat_loggers = StatLoggerManager(self.config, model_name=self.config.model.model_name)
         self.stat_loggers.log_engine_initialized(self.engine_client.num_blocks)
 
     def shutdown(self) -> None:

@@ -1,4 +1,4 @@
-"""The `rollout` command: `rollout launch --model DIR|tiny-name` serves a model over HTTP until SIGINT/SIGTERM."""
+"""The `rollout` command: `rollout launch --model DIR|ORG/NAME|tiny-name` serves a model over HTTP until SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import sys
 from typing import Any, Sequence
 
 from engine.config import ENGINE_CONFIG_SECTIONS
+from engine.model_source import hub_repo_id
 from rollout.cli_args import add_dataclass_arguments, dataclass_kwargs
 from rollout.server.config import ServerConfig
 
@@ -75,7 +76,7 @@ def launch_command(args: argparse.Namespace) -> int:
         engine_kwargs.update(dataclass_kwargs(args, cls))
     try:
         server_config = ServerConfig(**dataclass_kwargs(args, ServerConfig))
-        served_name = server_config.served_model_name or engine_kwargs["model"]
+        served_name = server_config.served_model_name or hub_repo_id(engine_kwargs["model"])
         engine_kwargs["model"] = resolve_model(engine_kwargs["model"])
         spec = engine_kwargs.get("speculative_config")
         if isinstance(spec, dict) and isinstance(spec.get("model"), str):  # a built-in tiny draft, like --model
@@ -83,7 +84,9 @@ def launch_command(args: argparse.Namespace) -> int:
         # Validate the whole config here, so bad flags fail before any process starts.
         from engine.engine_args import create_engine_config
 
-        create_engine_config(**engine_kwargs)
+        model_config = create_engine_config(**engine_kwargs).model
+        # Every engine reads the snapshot resolved here: a hub name is looked up (or downloaded) once.
+        engine_kwargs.update(model=model_config.model, tokenizer=model_config.tokenizer)
     except (TypeError, ValueError) as e:
         print(f"rollout launch: error: {e}", file=sys.stderr)
         return 2

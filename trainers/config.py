@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from engine.model_source import resolve_checkpoint
 from trainers.logging import MetricsConfig
 
 LossName = Literal["grpo", "dr_grpo", "dapo"]
@@ -40,15 +40,14 @@ class ModelConfig:
     """The policy checkpoint and how the trainer holds it."""
 
     path: str
-    """HF-format checkpoint directory (config.json, *.safetensors, tokenizer) to start training from."""
+    """HF-format checkpoint directory (config.json, *.safetensors, tokenizer) to start training from, or a hub name ORG/NAME[@revision] (read from the Hugging Face cache, downloaded there first unless HF_HUB_OFFLINE=1); after validation, its local directory."""
     device: Device = "cpu"
     """Where the trainer computes: cpu (gloo process group) or cuda (NCCL, one GPU per rank)."""
     param_dtype: ParamDtype = "float32"
     """Compute dtype of the FSDP2 forward/backward (master weights and gradient reduction stay float32); bfloat16 on GPU."""
 
     def __post_init__(self) -> None:
-        if not self.path or not os.path.isfile(os.path.join(self.path, "config.json")):
-            raise ValueError(f"model.path: {self.path!r} is not a directory with a config.json")
+        self.path = resolve_checkpoint(self.path, field="model.path")  # trainer and rollout engine read one snapshot
         check_choice("model.device", self.device, Device)
         check_choice("model.param_dtype", self.param_dtype, ParamDtype)
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.model_source import resolve_checkpoint
 from trainers.config import ModelConfig, OptimConfig, check_range
 from trainers.policy import clip_and_step, gather_response_rows
 
@@ -25,15 +25,15 @@ class CriticConfig:
     value_clip: float | None = 0.2
     """How far a value may move from its rollout-time estimate before the clipped loss takes over; none: no clipping."""
     path: str | None = None
-    """HF checkpoint of the critic's backbone; none: model.path (the policy's starting checkpoint)."""
+    """HF checkpoint directory or hub name ORG/NAME[@revision] of the critic's backbone; none: model.path (the policy's starting checkpoint)."""
 
     def __post_init__(self) -> None:
         check_range("critic.lr", self.lr, 0.0, low_open=True)
         check_range("critic.max_grad_norm", self.max_grad_norm, 0.0)
         if self.value_clip is not None and not (self.value_clip > 0.0 and math.isfinite(self.value_clip)):
             raise ValueError(f"critic.value_clip: must be a finite number > 0 or none, got {self.value_clip}")
-        if self.path is not None and not os.path.isfile(os.path.join(self.path, "config.json")):
-            raise ValueError(f"critic.path: {self.path!r} is not a directory with a config.json")
+        if self.path is not None:
+            self.path = resolve_checkpoint(self.path, field="critic.path")
 
 
 class ValueModel(nn.Module):
