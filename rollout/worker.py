@@ -38,6 +38,8 @@ from engine.sampling_params import RequestOutputKind, SamplingParams
 if TYPE_CHECKING:
     import ray.actor
 
+    from rollout.session import RolloutSession
+
 T = TypeVar("T")
 
 _END = object()  # astream: the request finished
@@ -264,6 +266,13 @@ class RolloutWorker:
                 yield item
         finally:
             future.cancel()  # a no-op once finished; else the request is aborted
+
+    def session(self, messages: list[dict] | None = None, sampling_params: SamplingParams | None = None, *,
+                prompt_token_ids: Sequence[int] | None = None) -> "RolloutSession":
+        """A multi-turn RolloutSession on this worker: one exact token history with a mask of the model's tokens (rollout/session.py)."""
+        from rollout.session import RolloutSession
+
+        return RolloutSession(self, messages, sampling_params, prompt_token_ids=prompt_token_ids)
 
     # ---- RL controls: every control declared in engine/control.py, blocking ---------------------
 

@@ -37,7 +37,7 @@ NOT_CONTROLS = {
     RolloutGroup: {"set_engines", "from_engine_args", "lockstep", "num_engines", "generate", "abort", "dp_states",
                    "elastic_ep_state", "engine_world_sizes", "admit", "check_admission", "is_dead", "check_health",
                    "prometheus_text", "get_metrics_snapshot", "shutdown"},
-    RolloutWorker: {"as_ray_actor", "generate", "agenerate", "astream", "get_metrics_snapshot", "shutdown"},
+    RolloutWorker: {"as_ray_actor", "generate", "agenerate", "astream", "session", "get_metrics_snapshot", "shutdown"},
     WeightSyncClient: {"num_engines", "engine_world_sizes", "for_model", "close"},
     HTTPRolloutEngine: {"generate", "agenerate", "weight_sync_client", "shutdown"},
     RayRolloutEngine: {"start", "generate", "agenerate", "weight_sync_client", "shutdown"},
