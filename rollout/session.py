@@ -46,6 +46,10 @@ _PROBE_CONTENTS = ("A", "B")
 DEFAULT_TIMEOUT_S = 600.0
 
 
+class ContextFullError(ValueError):
+    """The session's history would leave no room for a model turn in max_model_len (nothing was appended)."""
+
+
 class TurnSample(NamedTuple):
     """What the engine returned for one turn."""
 
@@ -322,7 +326,7 @@ class RolloutSession:
     def _check_room(self, num_tokens: int, what: str) -> None:
         """ValueError unless a history of num_tokens leaves room for at least one sampled token."""
         if num_tokens + 1 > self._backend.max_model_len:
-            raise ValueError(
+            raise ContextFullError(
                 f"{what}: the session's history would be {num_tokens} tokens, leaving no room for a model turn in "
                 f"max_model_len={self._backend.max_model_len}"
             )

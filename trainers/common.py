@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from abc import ABC, abstractmethod
 import socket
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from trainers.cli import parse_config, to_dict
 from trainers.config import ModelConfig, RolloutConfig
 from trainers.logging import MetricsLogger
-from trainers.rollouts import RolloutBatch, generate_rollouts
+from trainers.rollouts import Environment, RolloutBatch, generate_rollouts, generate_session_rollouts
 from weight_transfer import trainer_init
 from weight_transfer.clients import LocalWeightSyncClient
 from weight_transfer.ipc import IPCTrainerInitInfo
@@ -105,23 +106,22 @@ def score(reward_fn: RewardFn, batch: RolloutBatch, items: Sequence[Any]) -> tor
 
 
 def generate_and_score(worker, items: Sequence[Any], reward_fn: RewardFn, rollout: RolloutConfig,
-                       seed: int) -> tuple[RolloutBatch, torch.Tensor, dict[str, float]]:
-    """n samples of each item's prompt and their rewards, with time/generate, time/reward and tokens_per_s."""
+                       seed: int, environment: Environment | None = None) -> tuple[RolloutBatch, torch.Tensor, dict[str, float]]:
+    """n samples of each item's prompt (n multi-turn sessions against `environment`, when given) and their
+    rewards, with time/generate, time/reward and tokens_per_s (tokens the model generated)."""
     start = time.perf_counter()
-    batch = generate_rollouts(
-        worker,
-        [prompt_of(item) for item in items],
-        n=rollout.num_samples_per_prompt,
-        temperature=rollout.temperature,
-        max_tokens=rollout.max_tokens,
-        seed=seed,
-    )
+    sampling = dict(n=rollout.num_samples_per_prompt, temperature=rollout.temperature, max_tokens=rollout.max_tokens,
+                    seed=seed)
+    if environment is not None:
+        batch = generate_session_rollouts(worker, items, environment, **sampling)
+    else:
+        batch = generate_rollouts(worker, [prompt_of(item) for item in items], **sampling)
     generated = time.perf_counter()
     rewards = score(reward_fn, batch, items)
     metrics = {
         "time/generate": generated - start,
         "time/reward": time.perf_counter() - generated,
-        "tokens_per_s": float(batch.response_mask.sum()) / max(generated - start, 1e-9),
+        "tokens_per_s": float(batch.train_mask.sum()) / max(generated - start, 1e-9),
     }
     return batch, rewards, metrics
 
@@ -250,9 +250,14 @@ def run_main(config_cls: type, trainer_cls: type, argv: Sequence[str] | None, pr
     )
     summary: dict[str, Any] = {}
     rank = int(os.environ.get("RANK", "0"))
+    # A multi-turn task (its module has an `environment`, trainers.rollouts.Environment) rolls out sessions.
+    environment = {"environment": task.environment} if getattr(task, "environment", None) is not None else {}
+    if environment and "environment" not in inspect.signature(trainer_cls).parameters:
+        raise ValueError(f"task.module: {config.task.module} is a multi-turn task; {trainer_cls.__name__} "
+                         "trains single-turn rollouts only (use python -m trainers.grpo)")
     with MetricsLogger(config.logging, to_dict(config), rank=rank, num_steps=config.num_steps) as logger:
         with trainer_cls(config, reward_fn=task.batched_reward, log=logger.log,
-                         log_histogram=logger.log_histogram) as trainer:
+                         log_histogram=logger.log_histogram, **environment) as trainer:
             if trainer.rank == 0 and eval_problems:
                 summary["accuracy_before"] = float(task.evaluate(trainer.worker, eval_problems))
                 print(f"held-out accuracy before: {summary['accuracy_before']:.3f}", flush=True)

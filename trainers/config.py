@@ -261,7 +261,7 @@ class TaskConfig:
     """The prompts and the reward: a module with make_problems(n, seed, split) and batched_reward(completions, problems)."""
 
     module: str = "examples.grpo_tiny.task"
-    """Importable module of the task (problems with .prompt, batched_reward, and optionally evaluate for held-out accuracy)."""
+    """Importable module of the task (problems with .prompt, batched_reward, and optionally evaluate for held-out accuracy, and environment for multi-turn rollouts: trainers.rollouts.Environment)."""
     num_train_problems: int = 512
     """Training problems drawn once; steps cycle through them."""
     num_eval_problems: int = 100

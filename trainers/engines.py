@@ -19,6 +19,7 @@ import msgspec
 
 from engine import SamplingParams
 from engine.control import Control, forward_controls, http_request, http_result
+from rollout.session import check_response
 from weight_transfer.clients import HTTPWeightSyncClient, RayWeightSyncClient
 
 # SamplingParams fields that never travel over HTTP: the adapter's own choices or engine internals.
@@ -116,19 +117,6 @@ def _prompt_logprobs(positions: list | None):
     ]
 
 
-def _check(response, path: str) -> dict:
-    """The JSON body; a 4xx becomes ValueError (a bad request), anything else over 400 RuntimeError, with the server's message."""
-    if response.status_code < 400:
-        return response.json() if response.content else {}
-    try:
-        detail = response.json()
-        message = detail.get("error", {}).get("message") or detail.get("detail") or response.text
-    except ValueError:
-        message = response.text
-    error = ValueError if response.status_code < 500 else RuntimeError
-    raise error(f"{path}: HTTP {response.status_code}: {message}")
-
-
 @forward_controls(asynchronous=False, include=lambda declared: declared.route is not None)
 class HTTPRolloutEngine:
     """A `rollout launch --enable-rl-routes` server as a rollout worker; one /v1/completions request per prompt.
@@ -151,7 +139,7 @@ class HTTPRolloutEngine:
         self._api_key = api_key
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="rollout-http")
         try:
-            self.model_name = _check(self._http.get("/v1/models"), "/v1/models")["data"][0]["id"]
+            self.model_name = check_response(self._http.get("/v1/models"), "/v1/models")["data"][0]["id"]
             self.tokenizer = _load_tokenizer(tokenizer)
         except BaseException:
             self.shutdown()
@@ -165,7 +153,7 @@ class HTTPRolloutEngine:
         return [request_output(f.result(), p) for f, p in zip(futures, prompts)]
 
     def _post_completion(self, body: dict) -> dict:
-        return _check(self._http.post("/v1/completions", json=body), "/v1/completions")
+        return check_response(self._http.post("/v1/completions", json=body), "/v1/completions")
 
     async def agenerate(self, prompt, sampling_params: SamplingParams | None = None):
         """One prompt's final RequestOutput; cancelling closes the connection, which aborts the request on the server."""
@@ -174,7 +162,7 @@ class HTTPRolloutEngine:
         body = completion_body(self.model_name, prompt, sampling_params or SamplingParams())
         async with httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
             response = await http.post("/v1/completions", json=body)
-        return request_output(_check(response, "/v1/completions"), prompt)
+        return request_output(check_response(response, "/v1/completions"), prompt)
 
     # ---- controls: every control with an HTTP route (engine/control.py) -------------------------
 
@@ -183,7 +171,7 @@ class HTTPRolloutEngine:
         if declared.weight_sync:
             return getattr(self._weights, declared.name)(*args)
         verb, path, query, body = http_request(declared, args)
-        return http_result(declared, _check(self._http.request(verb, path, params=query or None, json=body), path))
+        return http_result(declared, check_response(self._http.request(verb, path, params=query or None, json=body), path))
 
     def weight_sync_client(self) -> HTTPWeightSyncClient:
         """A client of this server's RL routes for a weight sync (its own connection pool)."""

@@ -14,6 +14,11 @@ requests in flight freeze and recompute with the new weights on resume. Every sa
 staleness (how many versions its oldest token is behind the policy being trained) is measured
 from its weight_versions spans; samples past rollout.max_staleness are dropped or down-weighted.
 
+A multi-turn task (its module's `environment`, trainers.rollouts.Environment) rolls out
+RolloutSessions (rollout/session.py): each sample is one token sequence of the model's turns and
+the environment's messages between them, and the loss averages over the model's tokens only
+(RolloutBatch.loss_mask); rewards read the last turn.
+
 With rollout.colocate, trainer and engine share the device: weights sync through the ipc
 backend and the worker sleeps (KV cache freed, weights offloaded) during each train phase.
 """
@@ -47,7 +52,7 @@ from trainers.common import (
 from trainers.config import AlgorithmConfig, TrainerConfig
 from trainers.losses import DAPOLoss, DrGRPOLoss, GRPOLoss, PolicyBatch, PolicyLoss
 from trainers.policy import Policy, mean_over_ranks
-from trainers.rollouts import RolloutBatch, collate
+from trainers.rollouts import Environment, RolloutBatch, collate
 
 _LOSSES: dict[str, type[PolicyLoss]] = {"grpo": GRPOLoss, "dr_grpo": DrGRPOLoss, "dapo": DAPOLoss}
 
@@ -76,12 +81,16 @@ class GRPOTrainer(RolloutTrainer):
 
     `worker` is a RolloutWorker (rank 0 only; other ranks pass None); when None on rank 0, one
     is started on the checkpoint and shut down by close(). `reward_fn(completions, items)` scores
-    each sample against the item it was generated from.
+    each sample against the item it was generated from. With `environment` every sample is a
+    multi-turn session against it (sync mode only).
     """
 
     def __init__(self, config: TrainerConfig, reward_fn: RewardFn, *, worker=None, log: LogFn | None = None,
-                 log_histogram: HistogramFn | None = None) -> None:
+                 log_histogram: HistogramFn | None = None, environment: Environment | None = None) -> None:
+        if environment is not None and config.rollout.async_mode:
+            raise ValueError("rollout.async_mode: multi-turn rollouts (an environment) are generated synchronously")
         super().__init__(config, reward_fn, log=log, log_histogram=log_histogram)
+        self.environment = environment
         self.loss = make_loss(config.algorithm)
         self._connect_worker(Policy(config.model, config.optim, reference=config.algorithm.kl_coef > 0), worker)
         # Version name -> integer version (0: the weights served before training, k: after step k);
@@ -97,7 +106,8 @@ class GRPOTrainer(RolloutTrainer):
         payload = None
         if self.rank == 0:
             batch, rewards, metrics = generate_and_score(self.worker, items, self.reward_fn, self.config.rollout,
-                                                         step_seed(self.config.rollout, self.step_count))
+                                                         step_seed(self.config.rollout, self.step_count),
+                                                         self.environment)
             # Sync mode: every sample should come from the weights of the previous sync (all zeros).
             metrics["staleness/values"] = self._staleness(batch)
             payload = (batch, rewards, metrics)
@@ -122,7 +132,7 @@ class GRPOTrainer(RolloutTrainer):
                 # only the wait for groups not finished yet: the rest of generation overlapped training
                 "time/generate": taken - start,
                 "time/reward": time.perf_counter() - taken,
-                "tokens_per_s": float(batch.response_mask.sum()) / max(since, 1e-9),
+                "tokens_per_s": float(batch.train_mask.sum()) / max(since, 1e-9),
                 "mixed_version_fraction": sum(len(v) > 1 for v in batch.sample_versions()) / batch.num_samples,
                 "staleness/values": self._staleness(batch),
             }
@@ -171,7 +181,7 @@ class GRPOTrainer(RolloutTrainer):
                 # With one update per step the behaviour policy is the current one: its logprobs
                 # are this forward's, detached (bit-identical to a separate no-grad pass).
                 old_logprobs = logprobs.detach() if reuse_old else old[i]
-                mask = mb.response_mask.to(device)
+                mask = mb.train_mask.to(device)  # the model's tokens: a session's environment tokens are not trained on
                 policy_batch = PolicyBatch(
                     logprobs=logprobs,
                     old_logprobs=old_logprobs,

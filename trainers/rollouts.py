@@ -1,10 +1,10 @@
-"""Rollouts for training: n samples per prompt from a RolloutWorker, padded into tensors with the engine's logprobs and weight versions."""
+"""Rollouts for training: n samples per prompt from a RolloutWorker (or n multi-turn sessions), padded into tensors with the engine's logprobs, weight versions and a loss mask."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -16,7 +16,9 @@ class RolloutBatch:
     """B = num_prompts * n samples, those of one prompt adjacent; R = longest response, L = longest prompt + response.
 
     Per-token response tensors are [B, R], aligned with response_ids (position j is the j-th
-    generated token); input_ids holds prompt + response right-padded with pad_token_id.
+    response token); input_ids holds prompt + response right-padded with pad_token_id. A multi-turn
+    session's response holds its environment tokens too (tool results, template closings, later
+    user messages): loss_mask is 0 there, so the trainer trains on the model's tokens only.
     """
 
     input_ids: torch.Tensor
@@ -26,9 +28,9 @@ class RolloutBatch:
     response_ids: torch.Tensor
     """[B, R] int64: the generated token ids, right-padded."""
     response_mask: torch.Tensor
-    """[B, R] float32: 1 on generated tokens, 0 on padding."""
+    """[B, R] float32: 1 on response tokens (generated, or a session's environment tokens), 0 on padding."""
     rollout_logprobs: torch.Tensor
-    """[B, R] float32: the engine's logprob of each generated token (0 on padding)."""
+    """[B, R] float32: the engine's logprob of each generated token (0 on environment tokens and padding)."""
     prompt_ids: list[int]
     """[B]: index into the step's prompts of each sample's prompt."""
     completions: list[str]
@@ -39,6 +41,8 @@ class RolloutBatch:
     """[B]: (weight_version, start, end) spans over each response's tokens: which weights produced which tokens."""
     group_size: int = 1
     """Samples per prompt."""
+    loss_mask: torch.Tensor | None = None
+    """[B, R] float32: 1 on the tokens the model generated (trained on), 0 on environment tokens and padding; None: response_mask."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -48,6 +52,11 @@ class RolloutBatch:
     @property
     def response_lens(self) -> torch.Tensor:
         return self.response_mask.sum(-1).to(torch.int64)  # [B]
+
+    @property
+    def train_mask(self) -> torch.Tensor:
+        """[B, R] the tokens a policy loss averages over: the model's own (loss_mask, else response_mask)."""
+        return self.response_mask if self.loss_mask is None else self.loss_mask
 
     def sample_versions(self) -> list[set[str]]:
         """The distinct weight versions that produced each sample's tokens."""
@@ -72,6 +81,7 @@ class RolloutBatch:
             finish_reasons=[self.finish_reasons[i] for i in keep],
             weight_versions=[self.weight_versions[i] for i in keep],
             group_size=self.group_size,
+            loss_mask=None if self.loss_mask is None else self.loss_mask[idx, :num_resp],
             extra=dict(self.extra),
         )
 
@@ -99,7 +109,19 @@ def collate(outputs: Sequence, pad_token_id: int, group_size: int) -> RolloutBat
             completions.append(completion.text)
             finish_reasons.append(completion.finish_reason)
             versions.append(list(completion.weight_versions))
+    return RolloutBatch(
+        **_padded(prompts, responses, logprobs, pad_token_id),
+        prompt_ids=prompt_ids,
+        completions=completions,
+        finish_reasons=finish_reasons,
+        weight_versions=versions,
+        group_size=group_size,
+    )
 
+
+def _padded(prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]], pad_token_id: int,
+            loss_masks: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
+    """RolloutBatch's tensors of per-sample token lists, right-padded: input_ids [B, L], prompt_lens [B], and the [B, R] ones."""
     num_samples = len(responses)
     num_resp = max((len(r) for r in responses), default=0)
     num_cols = max((len(p) + len(r) for p, r in zip(prompts, responses)), default=0)
@@ -107,23 +129,46 @@ def collate(outputs: Sequence, pad_token_id: int, group_size: int) -> RolloutBat
     response_ids = torch.full((num_samples, num_resp), pad_token_id, dtype=torch.int64)  # [B, R]
     response_mask = torch.zeros(num_samples, num_resp, dtype=torch.float32)  # [B, R]
     rollout_logprobs = torch.zeros(num_samples, num_resp, dtype=torch.float32)  # [B, R]
+    loss_mask = None if loss_masks is None else torch.zeros(num_samples, num_resp, dtype=torch.float32)  # [B, R]
     for b, (p, r, lp) in enumerate(zip(prompts, responses, logprobs)):
         input_ids[b, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.int64)
         if r:
             response_ids[b, : len(r)] = torch.tensor(r, dtype=torch.int64)
             response_mask[b, : len(r)] = 1.0
             rollout_logprobs[b, : len(r)] = torch.tensor(lp, dtype=torch.float32)
+            if loss_mask is not None:
+                loss_mask[b, : len(r)] = torch.tensor(loss_masks[b], dtype=torch.float32)
+    return dict(input_ids=input_ids, prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.int64),
+                response_ids=response_ids, response_mask=response_mask, rollout_logprobs=rollout_logprobs,
+                loss_mask=loss_mask)
+
+
+def collate_sessions(trajectories: Sequence, pad_token_id: int, group_size: int) -> RolloutBatch:
+    """Pads multi-turn session Trajectories (rollout.session; the `group_size` of one prompt adjacent) into a RolloutBatch.
+
+    Each sample's prompt is its first prompt, its response everything after (the model's turns and
+    the environment's tokens between them); loss_mask is the session's mask there, the weight-version
+    spans are shifted to index the response, the completion is the last turn's text, and
+    extra["num_turns"] counts each session's model turns.
+    """
+    if group_size < 1 or len(trajectories) % group_size:
+        raise ValueError(f"trajectories: {len(trajectories)} is not a whole number of groups of {group_size}")
+    prompts, responses, logprobs, masks, versions = [], [], [], [], []
+    for t in trajectories:
+        start = t.prompt_len
+        prompts.append(t.token_ids[:start])
+        responses.append(t.token_ids[start:])
+        logprobs.append(t.logprobs[start:])
+        masks.append(t.mask[start:])
+        versions.append([(v, s - start, e - start) for v, s, e in t.weight_versions])
     return RolloutBatch(
-        input_ids=input_ids,
-        prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.int64),
-        response_ids=response_ids,
-        response_mask=response_mask,
-        rollout_logprobs=rollout_logprobs,
-        prompt_ids=prompt_ids,
-        completions=completions,
-        finish_reasons=finish_reasons,
+        **_padded(prompts, responses, logprobs, pad_token_id, masks),
+        prompt_ids=[i // group_size for i in range(len(trajectories))],
+        completions=[t.final_text for t in trajectories],
+        finish_reasons=[t.turns[-1].finish_reason if t.turns else None for t in trajectories],
         weight_versions=versions,
         group_size=group_size,
+        extra={"num_turns": [len(t.turns) for t in trajectories]},
     )
 
 
@@ -162,3 +207,67 @@ def generate_rollouts(
         pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         pad_token_id = pad_token_id if pad_token_id is not None else 0
     return collate(outputs, pad_token_id, n)
+
+
+class Environment(Protocol):
+    """A multi-turn task's side of the conversation: the first messages of an item, and its answer to each model turn."""
+
+    max_turns: int
+    """Model turns per episode at most; the episode ends after that many whatever the last turn said."""
+
+    def messages(self, item: Any) -> list[dict]:
+        """The conversation an episode of `item` starts from (the chat template renders it)."""
+
+    def reply(self, item: Any, text: str) -> list[dict] | None:
+        """The messages that answer the model's turn `text` (a tool result, a user's next question), or None: the episode is over."""
+
+
+def generate_session_rollouts(
+    worker,
+    items: Sequence,
+    env: Environment,
+    *,
+    n: int,
+    temperature: float = 1.0,
+    max_tokens: int = 32,
+    seed: int | None = None,
+) -> RolloutBatch:
+    """n multi-turn sessions (rollout.session) of each item against `env`, every turn of all sessions generated together.
+
+    Session j of item i samples with seed + i * n + j (plus its turn index), so a repeated call
+    repeats its episodes. The batch trains on the model's tokens only (loss_mask).
+    """
+    from rollout.session import ContextFullError, RolloutSession, generate_turns
+
+    if not items:
+        raise ValueError("items: empty; a rollout needs at least one prompt")
+    if n < 1:
+        raise ValueError(f"n: must be >= 1, got {n}")
+    if env.max_turns < 1:
+        raise ValueError(f"env.max_turns: must be >= 1, got {env.max_turns}")
+    sessions = [
+        RolloutSession(worker, env.messages(item), SamplingParams(
+            temperature=temperature, max_tokens=max_tokens, seed=None if seed is None else seed + i * n + j))
+        for i, item in enumerate(items) for j in range(n)
+    ]
+    active = list(range(len(sessions)))
+    for turn_index in range(env.max_turns):
+        turns = generate_turns([sessions[k] for k in active])
+        if turn_index == env.max_turns - 1:
+            break
+        still = []
+        for k, turn in zip(active, turns):
+            reply = env.reply(items[k // n], turn.text)
+            if reply is None:
+                continue
+            try:
+                sessions[k].add_messages(reply)
+            except ContextFullError:  # the reply leaves no room for another turn: the episode ends where it is
+                continue
+            still.append(k)
+        active = still
+        if not active:
+            break
+    from trainers.async_rollouts import pad_token_id_of
+
+    return collate_sessions([s.trajectory() for s in sessions], pad_token_id_of(worker), n)

@@ -52,24 +52,29 @@ class PretrainConfig:
     """CPU threads; fixed so that reruns produce the same bytes."""
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "intermediate_size", "steps", "batch_size", "num_threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"num_attention_heads: {self.num_attention_heads} does not divide hidden_size {self.hidden_size}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_key_value_heads: {self.num_key_value_heads} does not divide num_attention_heads")
-        if self.max_position_embeddings < 16:
-            raise ValueError(f"max_position_embeddings: must be at least 16, got {self.max_position_embeddings}")
-        if not self.lr > 0:
-            raise ValueError(f"lr: must be positive, got {self.lr}")
-        if not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"warmup_steps: must be in [0, steps), got {self.warmup_steps}")
+        check_schedule(self, min_positions=16)
         if not 0.0 <= self.carry_slip <= 1.0:
             raise ValueError(f"carry_slip: must be in [0, 1], got {self.carry_slip}")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay: must be non-negative, got {self.weight_decay}")
+
+
+def check_schedule(cfg, min_positions: int) -> None:
+    """ValueError naming the field unless `cfg`'s model shape and supervised schedule (PretrainConfig's fields) make sense."""
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "intermediate_size", "steps", "batch_size", "num_threads"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name}: must be at least 1, got {getattr(cfg, name)}")
+    if cfg.hidden_size % cfg.num_attention_heads:
+        raise ValueError(f"num_attention_heads: {cfg.num_attention_heads} does not divide hidden_size {cfg.hidden_size}")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ValueError(f"num_key_value_heads: {cfg.num_key_value_heads} does not divide num_attention_heads")
+    if cfg.max_position_embeddings < min_positions:
+        raise ValueError(f"max_position_embeddings: must be at least {min_positions}, got {cfg.max_position_embeddings}")
+    if not cfg.lr > 0:
+        raise ValueError(f"lr: must be positive, got {cfg.lr}")
+    if not 0 <= cfg.warmup_steps < cfg.steps:
+        raise ValueError(f"warmup_steps: must be in [0, steps), got {cfg.warmup_steps}")
+    if cfg.weight_decay < 0:
+        raise ValueError(f"weight_decay: must be non-negative, got {cfg.weight_decay}")
 
 
 def slipped_sum(a: int, b: int) -> int:
@@ -112,27 +117,10 @@ def _lr_at(step: int, cfg: PretrainConfig) -> float:
 
 def train(cfg: PretrainConfig, out_dir: str | Path, log_every: int = 100) -> dict:
     """Writes a trained checkpoint into `out_dir` (replacing it) and returns a summary dict."""
-    import transformers
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer
-
-    from engine.tiny_models import make_tiny_checkpoint
-
-    torch.set_num_threads(cfg.num_threads)
-    torch.use_deterministic_algorithms(True)
     out_dir = Path(out_dir)
     tmp = Path(tempfile.mkdtemp(prefix=".grpo_tiny-", dir=out_dir.parent if out_dir.parent.exists() else None))
     try:
-        make_tiny_checkpoint(
-            tmp, "llama", seed=cfg.seed,
-            hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
-            num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-            intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
-        )
-        tokenizer = Tokenizer.from_file(str(tmp / "tokenizer.json"))
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32)
-        model.train()
-
+        tokenizer, model = fresh_model(cfg, tmp)
         train_pairs = task.split_pairs("train")
         eos_id = tokenizer.token_to_id(task_eos_token())
         prompts = [task.format_prompt(a, b) for a, b in train_pairs]
@@ -148,41 +136,75 @@ def train(cfg: PretrainConfig, out_dir: str | Path, log_every: int = 100) -> dic
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
         start = time.perf_counter()
         for step in range(cfg.steps):
-            for group in optimizer.param_groups:
-                group["lr"] = _lr_at(step, cfg)
             index = torch.randint(len(train_pairs), (cfg.batch_size,), generator=generator)
             # Rows without a carry are identical in both encodings, so a slip changes only carry rows.
             slip = (torch.rand(cfg.batch_size, generator=generator) < cfg.carry_slip)[:, None]  # [B, 1]
             ids = torch.where(slip, slip_ids[index], right_ids[index])  # [B, L]
             mask = torch.where(slip, slip_mask[index], right_mask[index])  # [B, L]
-            logits = model(input_ids=ids).logits  # [B, L, vocab]
-            # Tokens per row never exceed the vocab: padding is eos, masked out of the loss.
-            token_loss = torch.nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
-            ).view(ids.shape[0], -1)
-            loss = (token_loss * mask[:, :-1]).sum() / mask[:, :-1].sum()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            if log_every and (step % log_every == 0 or step == cfg.steps - 1):
-                print(f"step {step:5d}  loss {loss.item():.4f}  lr {_lr_at(step, cfg):.2e}", flush=True)
+            loss = supervised_step(model, optimizer, ids, mask, step, cfg, log_every)
         train_seconds = time.perf_counter() - start
-
-        # Same layout as make_tiny_checkpoint writes, so only the weights file changes.
-        state = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "pretrain_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        shutil.move(str(tmp), str(out_dir))
-        # mkdtemp made the directory private; a committed checkpoint is world-readable.
-        out_dir.chmod(0o755)
-        for file in out_dir.iterdir():
-            file.chmod(0o644)
+        write_checkpoint(model, cfg, tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"train_seconds": train_seconds, "final_loss": loss.item()}
+    return {"train_seconds": train_seconds, "final_loss": loss}
+
+
+def supervised_step(model, optimizer, ids: torch.Tensor, mask: torch.Tensor, step: int, cfg, log_every: int) -> float:
+    """One AdamW step (at the schedule's lr) on the next-token loss where mask [B, L] is 1; returns the loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = _lr_at(step, cfg)
+    logits = model(input_ids=ids).logits  # [B, L, vocab]
+    # Tokens per row never exceed the vocab: padding is eos, masked out of the loss.
+    token_loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+    ).view(ids.shape[0], -1)
+    loss = (token_loss * mask[:, :-1]).sum() / mask[:, :-1].sum()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    if log_every and (step % log_every == 0 or step == cfg.steps - 1):
+        print(f"step {step:5d}  loss {loss.item():.4f}  lr {_lr_at(step, cfg):.2e}", flush=True)
+    return loss.item()
+
+
+def fresh_model(cfg, tmp: Path):
+    """(tokenizer, HF model in train mode) of a freshly initialised tiny Llama of `cfg`'s shape written into `tmp`;
+    also fixes the CPU threads and deterministic algorithms, so reruns produce the same bytes."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    from engine.tiny_models import make_tiny_checkpoint
+
+    torch.set_num_threads(cfg.num_threads)
+    torch.use_deterministic_algorithms(True)
+    make_tiny_checkpoint(
+        tmp, "llama", seed=cfg.seed,
+        hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+        intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
+    )
+    tokenizer = Tokenizer.from_file(str(tmp / "tokenizer.json"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32)
+    model.train()
+    return tokenizer, model
+
+
+def write_checkpoint(model, cfg, tmp: Path, out_dir: Path) -> None:
+    """Saves `model`'s weights and `cfg` into the checkpoint directory `tmp`, which then replaces `out_dir`."""
+    from safetensors.torch import save_file
+
+    # Same layout as make_tiny_checkpoint writes, so only the weights file changes.
+    state = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "pretrain_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    shutil.move(str(tmp), str(out_dir))
+    # mkdtemp made the directory private; a committed checkpoint is world-readable.
+    out_dir.chmod(0o755)
+    for file in out_dir.iterdir():
+        file.chmod(0o644)
 
 
 def measure(model_dir: str | Path, num_eval: int = 200, num_samples: int = 8, seed: int = 0) -> dict:
@@ -203,18 +225,23 @@ def measure(model_dir: str | Path, num_eval: int = 200, num_samples: int = 8, se
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default=task.MODEL_DIR, help="checkpoint directory to (re)write")
+    run_cli(argv, __doc__, PretrainConfig, train, measure, task.MODEL_DIR)
+
+
+def run_cli(argv: list[str] | None, description: str, config_cls, train_fn, measure_fn, default_out: str) -> None:
+    """A pre-training command line: every config_cls field as a flag, --out and --no-measure; trains, then measures."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", default=default_out, help="checkpoint directory to (re)write")
     parser.add_argument("--no-measure", action="store_true", help="skip the accuracy measurement at the end")
-    defaults = PretrainConfig()
+    defaults = config_cls()
     for name, value in asdict(defaults).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     args = parser.parse_args(argv)
-    cfg = PretrainConfig(**{name: getattr(args, name) for name in asdict(defaults)})
-    summary = train(cfg, args.out)
+    cfg = config_cls(**{name: getattr(args, name) for name in asdict(defaults)})
+    summary = train_fn(cfg, args.out)
     print(f"trained in {summary['train_seconds']:.1f} s, final loss {summary['final_loss']:.4f} -> {args.out}")
     if not args.no_measure:
-        print(json.dumps(measure(args.out), indent=2))
+        print(json.dumps(measure_fn(args.out), indent=2))
 
 
 if __name__ == "__main__":

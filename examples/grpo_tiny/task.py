@@ -36,30 +36,40 @@ def format_prompt(a: int, b: int) -> str:
     return f"{a}+{b}="
 
 
-def _split_pairs() -> dict[str, list[tuple[int, int]]]:
-    pairs = [(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
-    random.Random(SPLIT_SEED).shuffle(pairs)
-    # Disjoint by construction: one fixed shuffle, eval takes the head, train the rest.
-    return {"eval": pairs[:NUM_EVAL_PAIRS], "train": pairs[NUM_EVAL_PAIRS:]}
+class PairSplits:
+    """Operand pairs split once into disjoint "train" and "eval" parts: one shuffle by `seed`, eval takes the first num_eval."""
+
+    def __init__(self, pairs: list[tuple[int, int]], num_eval: int, seed: int) -> None:
+        pairs = list(pairs)
+        random.Random(seed).shuffle(pairs)
+        # Disjoint by construction: one fixed shuffle, eval takes the head, train the rest.
+        self._splits = {"eval": pairs[:num_eval], "train": pairs[num_eval:]}
+
+    def pairs(self, split: str) -> list[tuple[int, int]]:
+        """All (a, b) operand pairs of `split` ("train" or "eval"), in a fixed order."""
+        if split not in self._splits:
+            raise ValueError(f"split: {split!r} is not one of {sorted(self._splits)}")
+        return list(self._splits[split])
+
+    def sample(self, n: int, seed: int, split: str) -> list[tuple[int, int]]:
+        """`n` distinct pairs drawn from `split` with `seed`; the same arguments always give the same list."""
+        pairs = self.pairs(split)
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(pairs):
+            raise ValueError(f"n: must be an int in [0, {len(pairs)}] for split {split!r}, got {n!r}")
+        return random.Random(seed).sample(pairs, n)
 
 
-_SPLITS = _split_pairs()
+_SPLITS = PairSplits([(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)], NUM_EVAL_PAIRS, SPLIT_SEED)
 
 
 def split_pairs(split: str) -> list[tuple[int, int]]:
     """All (a, b) operand pairs of `split` ("train" or "eval"), in a fixed order."""
-    if split not in _SPLITS:
-        raise ValueError(f"split: {split!r} is not one of {sorted(_SPLITS)}")
-    return list(_SPLITS[split])
+    return _SPLITS.pairs(split)
 
 
 def make_problems(n: int, seed: int, split: str = "train") -> list[Problem]:
     """`n` distinct problems drawn from `split` with `seed`; the same arguments always give the same list."""
-    pairs = split_pairs(split)
-    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(pairs):
-        raise ValueError(f"n: must be an int in [0, {len(pairs)}] for split {split!r}, got {n!r}")
-    chosen = random.Random(seed).sample(pairs, n)
-    return [Problem(prompt=format_prompt(a, b), answer=str(a + b)) for a, b in chosen]
+    return [Problem(prompt=format_prompt(a, b), answer=str(a + b)) for a, b in _SPLITS.sample(n, seed, split)]
 
 
 def extract_answer(completion: str) -> str | None:
