@@ -21,6 +21,7 @@ from engine.exceptions import EngineDeadError
 from engine.outputs import RequestOutput
 from engine.processor import Processor, PromptType
 from engine.sampling_params import SamplingParams
+from rollout.server import chat_tools
 from rollout.server import formatting as F
 from rollout.server import protocol as P
 from rollout.server.config import ServerConfig
@@ -75,6 +76,7 @@ class ServerState:
     config: ServerConfig
     model_name: str
     max_model_len: int
+    chat: chat_tools.ChatParsing
     num_experts: int = 0  # routed experts per MoE layer (0: a dense model); sets the dtype of routed_experts
 
     def check_batch(self, num_prompts: int, n: int) -> None:
@@ -272,11 +274,12 @@ async def _stream_completions(
 
 
 async def _stream_chat(
-    state: ServerState, body: P.ChatCompletionRequest, req_id: str, gens: list, firsts: list
+    state: ServerState, body: P.ChatCompletionRequest, req_id: str, gens: list, firsts: list, prefix: str
 ) -> AsyncIterator[str]:
     created, num_top = int(time.time()), body.top_logprobs or 0
     num_completion_tokens, prompt_len = 0, 0
     streams: dict[int, _ChoiceStream] = {}
+    parsers: dict[int, chat_tools.ChoiceParser] = {}
 
     def chunk(choices, **extra) -> str:
         return F.sse(P.ChatCompletionChunk(id=req_id, created=created, model=state.model_name, choices=choices, **extra))
@@ -295,12 +298,21 @@ async def _stream_chat(
                 cs = streams.setdefault(c.index, _ChoiceStream())
                 cs.add(c)
                 last = c.finish_reason is not None
+                if c.index not in parsers:
+                    parsers[c.index] = state.chat.choice(body, out.prompt, prefix)
+                parser = parsers[c.index]
+                logprobs = F.chat_logprobs(state.engine, c, num_top, body.return_tokens_as_token_ids)
+                delta = parser.delta(c.text, last)
+                if delta is None:  # the parsers hold the text back (a tag may be starting)
+                    if not last and logprobs is None and not body.return_token_ids:
+                        continue
+                    delta = P.DeltaMessage()
                 choices.append(
                     P.ChatStreamChoice(
                         index=c.index,
-                        delta=P.DeltaMessage(content=c.text),
-                        logprobs=F.chat_logprobs(state.engine, c, num_top, body.return_tokens_as_token_ids),
-                        finish_reason=F.finish_reason(c.finish_reason),
+                        delta=delta,
+                        logprobs=logprobs,
+                        finish_reason=chat_tools.finish_reason(c.finish_reason, body, parser.tools_streamed),
                         stop_reason=c.stop_reason,
                         token_ids=list(c.token_ids) if body.return_token_ids else None,
                         weight_versions=(
@@ -342,11 +354,22 @@ def _streaming_response(body_iter: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(body_iter, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def _chat_prompt(body: P.ChatCompletionRequest) -> dict:
-    """The conversation as the engine's prompt: its processor renders the chat template after
-    admission, in the tokenizer threads (engine/processor.py)."""
-    return {"messages": body.conversation(), "add_generation_prompt": body.add_generation_prompt,
-            "chat_template_kwargs": body.chat_template_kwargs}
+async def _chat_prompt(state: ServerState, body: P.ChatCompletionRequest, prefix: str) -> dict:
+    """The conversation as the engine's prompt: its processor renders the chat template (given the
+    request's tools) after admission, in the tokenizer threads (engine/processor.py). A forced tool
+    call's opening (chat_tools.py) goes after the rendered prompt, so that one is rendered here."""
+    prompt = {"messages": body.conversation(), "add_generation_prompt": body.add_generation_prompt,
+              "chat_template_kwargs": state.chat.template_kwargs(body)}
+    if not prefix:
+        return prompt
+    processor = state.engine.processor
+
+    def render() -> dict:
+        text = processor.render_chat(prompt["messages"], body.add_generation_prompt, prompt["chat_template_kwargs"])
+        text += prefix
+        return {"prompt": text, "prompt_token_ids": processor.encode(text, add_special_tokens=False)}
+
+    return await asyncio.to_thread(render)
 
 
 # ---------------------------------------------------------------------------- app
@@ -356,7 +379,9 @@ def build_app(engine: ServedEngine, server_config: ServerConfig, model_name: str
     """The server's FastAPI app over `engine` (an AsyncLLM, or a RolloutGroup of them); `model_name` overrides the served name."""
     name = server_config.served_model_name or model_name or engine.model_name
     hf_config = engine.config.model.hf_config_dict()
-    state = ServerState(engine, server_config, name, engine.config.model.max_model_len, num_routed_experts(hf_config))
+    chat = chat_tools.ChatParsing(server_config, engine.tokenizer, engine.config.model.model)
+    state = ServerState(engine, server_config, name, engine.config.model.max_model_len, chat,
+                        num_routed_experts(hf_config))
     if server_config.enable_return_routed_experts and not state.num_experts:
         raise ValueError("enable_return_routed_experts: the model has no mixture-of-experts layers, "
                          "so there is no expert routing to return")
@@ -502,27 +527,30 @@ def _api_routes(state: ServerState) -> APIRouter:
     @router.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses=generation_errors)
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
         state.check_model(body.model)
-        prompt = _chat_prompt(body)
+        state.chat.check_request(body)
+        prefix = state.chat.forced_prefix(body)
+        prompt = await _chat_prompt(state, body, prefix)
         # An unset max_tokens: up to max_model_len.
         params = state.with_server_defaults(body.to_sampling_params(state.max_model_len))
+        params = state.chat.sampling_params(body, params)
         req_id = _request_id("chatcmpl")
         if body.stream:
             gens, firsts = await _open_streams(request, state, [prompt], params, req_id, body.priority)
-            return _streaming_response(_stream_chat(state, body, req_id, gens, firsts))
+            return _streaming_response(_stream_chat(state, body, req_id, gens, firsts, prefix))
         (out,) = await _generate_all(request, state, [prompt], params, req_id, body.priority)
-        choices = [
-            P.ChatChoice(
+        choices = []
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            message = state.chat.choice(body, out.prompt, prefix).message(c.text)
+            choices.append(P.ChatChoice(
                 index=c.index,
-                message=P.ChatResponseMessage(content=c.text),
+                message=message,
                 logprobs=F.chat_logprobs(engine, c, body.top_logprobs or 0, body.return_tokens_as_token_ids),
-                finish_reason=F.finish_reason(c.finish_reason),
+                finish_reason=chat_tools.finish_reason(c.finish_reason, body, bool(message.tool_calls)),
                 stop_reason=c.stop_reason,
                 token_ids=list(c.token_ids) if body.return_token_ids else None,
                 weight_versions=F.weight_version_spans(c.weight_versions) if body.return_weight_versions else None,
                 routed_experts=_routed_experts(state, c),
-            )
-            for c in sorted(out.outputs, key=lambda c: c.index)
-        ]
+            ))
         return P.ChatCompletionResponse(
             id=req_id, model=state.model_name, choices=choices, system_fingerprint=SYSTEM_FINGERPRINT,
             usage=F.usage([len(out.prompt_token_ids)], sum(len(c.token_ids) for c in out.outputs)),
@@ -537,7 +565,7 @@ def _api_routes(state: ServerState) -> APIRouter:
             raise ValueError("prompt: give exactly one of prompt or messages")
         processor = engine.processor  # the engine's text bounds apply: a text too long for max_model_len is a 400
         if body.messages is not None:
-            conversation = {"messages": [{"role": m.role, "content": m.text()} for m in body.messages],
+            conversation = {"messages": P.conversation(body.messages),
                             "add_generation_prompt": body.add_generation_prompt}
             _, ids = await asyncio.to_thread(processor.tokenize, conversation)
         else:

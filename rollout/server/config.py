@@ -42,6 +42,15 @@ class ServerConfig:
     enable_tokenizer_info_endpoint: bool = False
     """Serve GET /tokenizer_info (the tokenizer's configuration, chat template included), as vLLM's flag of this name."""
 
+    enable_auto_tool_choice: bool = False
+    """Parse tool calls out of chat answers with --tool-call-parser, so that tool_choice "auto" (the default when a request gives tools), "required" and named choices work (vLLM's flag)."""
+    tool_call_parser: str | None = None
+    """The tool-call format of the model: hermes (Hermes, Qwen2.5, Qwen3 <tool_call> JSON) or llama3_json (Llama 3.x JSON); needs --enable-auto-tool-choice (vLLM's flag and names)."""
+    reasoning_parser: str | None = None
+    """Put what the model writes inside its reasoning markup in message.reasoning (delta.reasoning when streamed) instead of the content: qwen3 (<think>...</think>) (vLLM's flag and names)."""
+    exclude_tools_when_tool_choice_none: bool = False
+    """Leave a request's tools out of the chat template when its tool_choice is "none" (vLLM's flag)."""
+
     weight_transfer_backend: str | None = None
     """The weight-sync backend /init_weight_transfer_engine accepts (local, nccl, sparse_nccl, ipc, sharded_rdt), and the one an init_info without "backend" gets (vLLM's trainers send none); unset: any backend init_info names, nccl when it names none (vLLM's default)."""
     weight_transfer_config: dict | None = None
@@ -69,6 +78,16 @@ class ServerConfig:
                 raise ValueError(
                     f"weight_transfer_backend must be one of {known_engine_backends()}, got {self.weight_transfer_backend!r}"
                 )
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("Error: --enable-auto-tool-choice requires --tool-call-parser")  # vLLM's words
+        if self.tool_call_parser is not None:
+            from rollout.server.tool_parsers import ToolParserManager
+
+            ToolParserManager.get_tool_parser(self.tool_call_parser)  # an unknown name: vLLM's message
+        if self.reasoning_parser is not None:
+            from rollout.server.reasoning_parsers import ReasoningParserManager
+
+            ReasoningParserManager.get_reasoning_parser(self.reasoning_parser)
         if not self.host:
             raise ValueError("host must not be empty")
         if not 0 <= self.port <= 65535:

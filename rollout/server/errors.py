@@ -171,6 +171,10 @@ def add_exception_handlers(app: FastAPI) -> None:
             return error_response(400, str(exc), type=PHRASE)
         return error_response(400, str(exc), _param_of(exc))
 
+    @app.exception_handler(P.ParamValidationError)
+    async def _param_validation(request: Request, exc: P.ParamValidationError) -> JSONResponse:
+        return error_response(400, str(exc), exc.parameter)  # vLLM's VLLMValidationError answer
+
     @app.exception_handler(ModelNotFoundError)
     async def _not_found(request: Request, exc: ModelNotFoundError) -> JSONResponse:
         return error_response(404, str(exc), "model")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.sampling_params import (
     RepetitionDetectionParams,
@@ -223,17 +224,129 @@ class TextContentPart(RequestModel):
     text: str
 
 
+class ParamValidationError(Exception):
+    """A check vLLM 0.33 runs on a raw request body before its types (its VLLMValidationError): HTTP 400
+    BadRequestError with `param`, worded as vLLM words it. Not a ValueError, so pydantic passes it on
+    as it is instead of folding it into a type error, as it passes vLLM's on."""
+
+    def __init__(self, message: str, *, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+
+    def __str__(self) -> str:
+        base = super().__str__()
+        return f"{base} (parameter={self.parameter})" if self.parameter is not None else base
+
+
+class FunctionCallParam(RequestModel):
+    name: str
+    arguments: str | dict[str, Any] | None = None
+    """JSON text of the arguments (OpenAI's form), or the object itself."""
+
+
+class ToolCallParam(RequestModel):
+    """A tool call in an assistant message sent back (OpenAI's ChatCompletionMessageToolCallParam)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(RequestModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    """Assistant messages: the calls the model made (what an answer's message.tool_calls held)."""
+    tool_call_id: str | None = None
+    """Tool messages: the id of the call this is the result of."""
+    reasoning: str | None = None
+    """Assistant messages: the model's reasoning, for templates that show it again (vLLM's field)."""
+    reasoning_content: str | None = None
+    """The older name of `reasoning` (vLLM reads either)."""
+
+    @model_validator(mode="after")
+    def _fields_of_the_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls: only an assistant message carries tool calls, not a {self.role} message")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id: only a tool message answers a tool call, not a {self.role} message")
+        return self
 
     def text(self) -> str:
+        """The content as text: text parts joined by newlines, as vLLM joins them for a string template."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates take it (transformers' form, as vLLM renders it): text content;
+        tool calls with their arguments as objects (text that is not a JSON object becomes {}, as vLLM
+        makes it, so that a bad call in the history does not break every later turn); the reasoning
+        under both of its names; the tool message's call id."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": call.type,
+                 "function": {"name": call.function.name, "arguments": _arguments_object(call.function.arguments)}}
+                for call in self.tool_calls
+            ]
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            message["reasoning"] = message["reasoning_content"] = reasoning
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _arguments_object(arguments: str | dict[str, Any] | None) -> dict[str, Any]:
+    if isinstance(arguments, dict):
+        return arguments
+    if not arguments:
+        return {}
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them."""
+    return [m.template_message() for m in messages]
+
+
+class FunctionDefinition(RequestModel):
+    name: NonEmptyText
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """JSON Schema of the arguments (an object schema)."""
+    strict: bool | None = Field(default=None, exclude_if=lambda v: v is None)
+    """Accepted and shown to the chat template; the arguments are not constrained to the schema (the
+    engine has no guided decoding): see README "Tool calling"."""
+
+
+class ChatCompletionToolsParam(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    """tool_choice naming the function the answer must call."""
+
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -243,13 +356,75 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    """Functions the model may call; the chat template is given them as `tools` (as transformers'
+    apply_chat_template is)."""
+    tool_choice: ToolChoice = "none"
+    """"none", "auto" (the default when tools are given; needs --enable-auto-tool-choice), "required", or
+    {"type": "function", "function": {"name": ...}}."""
+    parallel_tool_calls: bool | None = True
+    """false: an answer keeps only its first tool call."""
     # vLLM's chat extras.
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
+    """With --reasoning-parser: false leaves the reasoning out of the answer."""
 
-    def conversation(self) -> list[dict[str, str]]:
-        """Messages as the chat template takes them (content parts joined into text)."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    @model_validator(mode="before")
+    @classmethod
+    def _check_tool_usage(cls, data: Any) -> Any:
+        """vLLM 0.33's check_tool_usage, on the raw body and with its words: tools given without
+        tool_choice means "auto"; a tool_choice needs tools; a named choice names one of them."""
+        if not isinstance(data, dict):
+            return data
+        tools = data.get("tools")
+        if tools == []:
+            raise ParamValidationError(
+                "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.",
+                parameter="tools",
+            )
+        if "tool_choice" not in data and tools:
+            data = {**data, "tool_choice": "auto"}
+        choice = data.get("tool_choice")
+        if choice is None or choice == "none":
+            return data
+        if tools is None:
+            raise ParamValidationError("When using `tool_choice`, `tools` must be set.", parameter="tool_choice")
+        if choice not in ("auto", "required") and not isinstance(choice, dict):
+            raise ParamValidationError(
+                f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or "required" '
+                "are supported.",
+                parameter="tool_choice",
+            )
+        if isinstance(choice, dict):
+            usage = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+            function = choice.get("function")
+            if not isinstance(function, dict):
+                raise ParamValidationError(f"Invalid value for `function`: `{function}` in `tool_choice`! {usage}",
+                                           parameter="tool_choice.function")
+            if "name" not in function:
+                raise ParamValidationError(f"Expected field `name` in `function` in `tool_choice`! {usage}",
+                                           parameter="tool_choice.function.name")
+            name = function["name"]
+            if not isinstance(name, str) or not name:
+                raise ParamValidationError(f"Invalid `name` in `function`: `{name}` in `tool_choice`! {usage}",
+                                           parameter="tool_choice.function.name")
+            functions = [t.get("function") for t in tools if isinstance(t, dict)] if isinstance(tools, list) else []
+            if name not in [f.get("name") for f in functions if isinstance(f, dict)]:
+                raise ParamValidationError(
+                    "The tool specified in `tool_choice` does not match any of the specified `tools`",
+                    parameter="tool_choice",
+                )
+        return data
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """Messages as the chat template takes them."""
+        return conversation(self.messages)
+
+    @property
+    def forced_tool_call(self) -> bool:
+        """tool_choice "required" or named: the answer must call a tool."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     def to_sampling_params(self, max_model_len: int, prompt_len: int | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -392,9 +567,26 @@ class ChatLogprobs(ResponseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str
+    """JSON text of the arguments."""
+
+
+class ToolCall(ResponseModel):
+    id: str
+    """"chatcmpl-tool-" and 16 hex digits, as vLLM makes them; a tool message answers it by this id."""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning: str | None = None
+    """With --reasoning-parser: the model's reasoning, apart from the content (vLLM 0.33's field)."""
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: not v)
+    """With tool calling: the calls the model made (left out when it made none, as vLLM leaves it)."""
 
 
 class ChatChoice(ResponseModel):
@@ -422,9 +614,26 @@ class ChatCompletionResponse(_VllmResponseExtras):
     prompt_logprobs: PromptLogprobsJSON | None = None
 
 
+class DeltaFunctionCall(ResponseModel):
+    name: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    arguments: str | None = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class DeltaToolCall(ResponseModel):
+    """A piece of a streamed tool call: first its index, id, type and name, then pieces of its arguments'
+    JSON text that add up to the non-streamed answer's arguments (vLLM's shape, unset fields left out)."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    type: Literal["function"] | None = Field(default=None, exclude_if=lambda v: v is None)
+    function: DeltaFunctionCall | None = Field(default=None, exclude_if=lambda v: v is None)
+
+
 class DeltaMessage(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=lambda v: not v)
 
 
 class ChatStreamChoice(ResponseModel):
