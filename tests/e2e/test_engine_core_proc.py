@@ -217,6 +217,12 @@ def test_sigusr1_prints_every_engine_thread_and_the_engine_keeps_serving(config,
     # engine starts inside the test, so that its stderr is the captured one.
     client = SyncMPClient(config)
     try:
+        # faulthandler reads the other threads' frames without stopping them, which can crash a thread
+        # that is busy (CI saw a SIGSEGV while a non-main thread was still evaluating type hints at start-up);
+        # a stuck engine's threads are idle, so the test dumps them idle: after one round trip through
+        # both sockets, waiting on their next message.
+        assert client.call_utility("reset_prefix_cache") is True
+        time.sleep(0.5)
         capfd.readouterr()
         os.kill(client.engine.proc.pid, signal.SIGUSR1)
         deadline = time.monotonic() + 30

@@ -11,9 +11,11 @@ import gc
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from engine.engine_args import create_engine_config
 from engine.engine_core import EngineCore
+from engine.exceptions import EngineNotReadyError
 from engine.sampling_params import SamplingParams
 from engine.wire import EngineCoreRequest
 
@@ -74,10 +76,17 @@ def test_sleep_frees_device_memory_and_wake_up_serves_the_same_tokens(core, leve
           f"of weights+KV {expected_drop / 2**20:.1f} MiB ({100 * dropped / expected_drop:.1f}%)")
     assert dropped >= 0.95 * expected_drop, f"freed {dropped} of {expected_drop} bytes"
 
-    if level == 2:  # the RL order: weights, (weight update), then the KV cache
+    if level == 2:  # the RL order: weights, weight update, then the KV cache
         core.wake_up(["weights"])
         assert core.is_sleeping()
         core.wake_up(["kv_cache"])
+        with pytest.raises(EngineNotReadyError) as refused:  # discarded: nothing to serve until weights arrive
+            _greedy(core, "discarded")
+        assert refused.value.reason == "weights_discarded"
+        core.init_weight_transfer_engine({"backend": "local"})
+        core.start_weight_update()
+        core.update_weights({"weights": load_file(f"{core.config.model.model}/model.safetensors")})
+        core.finish_weight_update(weight_version="pushed")
     else:
         core.wake_up()
     assert not core.is_sleeping()
