@@ -8,9 +8,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch is imported where a checkpoint is built: the CLI reads the names without it
+    import torch
+    from torch import nn
 
 # Bump when the written files change, so cached builtin models are rebuilt.
 _FORMAT_VERSION = 1
@@ -118,6 +120,8 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE):
 
 
 def _torch_dtype(dtype) -> torch.dtype:
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     try:
@@ -128,6 +132,9 @@ def _torch_dtype(dtype) -> torch.dtype:
 
 def _reinit_weights(model: nn.Module) -> None:
     """Re-initialises weights with a large std so logits spread well beyond float noise."""
+    import torch
+    from torch import nn
+
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, nn.Embedding):
@@ -176,6 +183,7 @@ def make_tiny_checkpoint(
     MoE experts are written per expert, as hub checkpoints are; stacked_experts=True writes
     transformers v5's in-memory stacked names instead.
     """
+    import torch
     import transformers
     from safetensors.torch import save_file
 

@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_model(model: str) -> str:
     """A checkpoint directory for --model: built-in tiny names are built (once) into the user cache."""
+    if "/" in model or os.path.isdir(model):  # a path or ORG/NAME (no built-in name has a slash): no torch import
+        return model
     from engine.tiny_models import BUILTIN_TINY_MODELS, builtin_model_dir
 
     if model in BUILTIN_TINY_MODELS and not os.path.isdir(model):

@@ -256,6 +256,18 @@ def test_rollout_launch_uncached_name_offline_fails_naming_it(tmp_path):
     print(f"uncached offline launch refused after {elapsed:.2f}s (process start included)")
 
 
+def test_the_model_is_checked_before_torch_is_imported(tmp_path):
+    # The refusal comes before torch and the engine are imported (seconds on a 2-core machine), so a
+    # typo'd name fails at once; -X importtime lists every module the process imported.
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_CACHE"} | {"HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "rollout.cli", "launch", "--model", "org/tiny"],
+                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "'org/tiny' is not a local directory" in out.stderr
+    imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert "rollout.server.config" in imported and "engine.config" in imported  # the listing is the real one
+    assert "torch" not in imported and "engine.async_llm" not in imported
+
+
 def test_launch_flags_are_vllms():
     from rollout.cli import build_parser
 
