@@ -117,23 +117,34 @@ def test_draft_attention_backend_is_chosen_separately(tiny_checkpoint):
     spec.engine_core.shutdown()
 
 
-def test_sleep_and_wake_up_recapture_the_draft_graphs(tiny_checkpoint):
-    """Sleep frees the KV caches both models' graphs read; wake-up captures the draft's graphs again."""
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed_addresses", "allocator"])
+def test_sleep_and_wake_up_keep_or_recapture_the_draft_graphs(tiny_checkpoint, fixed):
+    """Sleep frees the KV caches both models' graphs read (the draft's layers are in the same KV region).
+    At fixed addresses both models' graphs stay valid and are kept; without, wake-up captures the draft's again."""
     path = tiny_checkpoint("llama")
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    spec = make_llm(path, {"method": "draft_model", "num_speculative_tokens": 3, "model": path}, dtype="float32")
+    spec = make_llm(path, {"method": "draft_model", "num_speculative_tokens": 3, "model": path}, dtype="float32",
+                    sleep_fixed_addresses=fixed)
     work = prompts(spec.engine_core.vocab_size, repetitive=False)
     before = [list(o.outputs[0].token_ids) for o in spec.generate(work, params, use_tqdm=False)]
     core = spec.engine_core
     draft = core.executor.worker.draft_proposer
     old_graphs = draft.cuda_graphs
+    assert old_graphs is not None
     core.sleep(1)
-    assert draft.cuda_graphs is None
+    if fixed:
+        assert draft.cuda_graphs is old_graphs
+    else:
+        assert draft.cuda_graphs is None
     core.wake_up()
-    assert draft.cuda_graphs is not None and draft.cuda_graphs is not old_graphs
+    if fixed:
+        assert draft.cuda_graphs is old_graphs
+    else:
+        assert draft.cuda_graphs is not None and draft.cuda_graphs is not old_graphs
+    replays = draft.cuda_graphs.num_replays
     after = [list(o.outputs[0].token_ids) for o in spec.generate(work, params, use_tqdm=False)]
     assert after == before
-    assert draft.cuda_graphs.num_replays > 0
+    assert draft.cuda_graphs.num_replays > replays  # the draft's graphs served after wake-up
     totals = core.scheduler.spec_totals
     assert totals.num_accepted_tokens == totals.num_draft_tokens
     core.shutdown()
