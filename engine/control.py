@@ -40,7 +40,9 @@ MEMORY_TAGS = frozenset({"weights", "kv_cache"})
 WeightCheckerAction = Literal["checksum", "reset", "compare"]
 """vLLM's /weight_checker actions (see EngineControls.weight_checker)."""
 
-RPC_METHODS = frozenset({"compute_weight_checksums", "reset_weights", "weights_consistent", "num_parameters"})
+RPC_METHODS = frozenset(
+    {"compute_weight_checksums", "reset_weights", "weights_consistent", "num_parameters", "cpu_threads"}
+)
 """The worker methods collective_rpc runs: vLLM's checker's, and read-only reports."""
 
 

@@ -198,13 +198,12 @@ def _worker_main(
     watch_parent(lambda: os._exit(1), "worker-parent-watch")  # even mid-call or mid-collective
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle, not ours
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
-    import torch  # after the signal set-up: importing torch takes a while
-
-    from engine.worker.worker import Worker
+    from engine.executor.cpu_threads import apply_cpu_threads
+    from engine.worker.worker import Worker  # after the signal set-up: importing torch takes a while
 
     if config.device.resolve() == "cpu":
-        # The ranks share the host's cores: let each run an equal share of threads.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        # The ranks share the host's cores: a slice each, pinned, one left to the front end.
+        apply_cpu_threads(world_size, rank, pin=True)
     try:
         worker = Worker(config, max_model_len, rank, world_size, init_method)
     except BaseException as e:

@@ -20,6 +20,11 @@ class UniProcExecutor(Executor):
             )
         from engine.worker.worker import Worker  # torch enters here, not in engine/core
 
+        if config.device.resolve() == "cpu":
+            from engine.executor.cpu_threads import apply_cpu_threads, engine_owns_process
+
+            # Pinned only in the engine's own process: an in-process LLM's process is the caller's.
+            apply_cpu_threads(pin=engine_owns_process())
         self.worker = Worker(config, max_model_len)
         self.worker_pids = [os.getpid()]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -429,6 +430,13 @@ class Worker:
         """Parameter elements this rank holds (a tensor-parallel shard holds about 1/tp_size of most; an
         expert-parallel rank only its experts)."""
         return sum(p.numel() for p in self.model.parameters())
+
+    def cpu_threads(self) -> dict:
+        """This rank's torch thread count and the cores its process may run on (on CPU, as
+        engine/executor/cpu_threads.py chose them)."""
+        from engine.executor.cpu_threads import allowed_cpus
+
+        return {"num_threads": torch.get_num_threads(), "cpus": allowed_cpus(), "pid": os.getpid()}
 
     # ---- sleep / wake-up: engine/worker/sleep.py frees and restores the memory ----
 

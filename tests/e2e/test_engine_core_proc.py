@@ -144,6 +144,18 @@ def test_sync_client_utilities(sync_client):
     assert sync_client.num_blocks > 0 and sync_client.max_model_len == MAX_MODEL_LEN
 
 
+def test_engine_process_runs_the_cpu_thread_plan(sync_client):
+    """The engine's own process (uniproc worker inside it) pins itself to the planned cores, as the policy says."""
+    from engine.executor.cpu_threads import allowed_cpus, plan_cpu_threads
+
+    # The engine process inherits this one's affinity mask and environment.
+    want = plan_cpu_threads(allowed_cpus(), omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
+    [report] = sync_client.call_utility("collective_rpc", "cpu_threads")
+    assert report["pid"] == sync_client.engine.proc.pid and report["pid"] != os.getpid()
+    assert report["num_threads"] == want.num_threads
+    assert report["cpus"] == (list(want.cpus) if want.cpus is not None else allowed_cpus())
+
+
 def test_invalid_request_gets_error_output_while_valid_one_completes(sync_client, reference):
     [good] = _requests(_prompts(1, seed=1), prefix="y")
     bad = EngineCoreRequest("too-long", list(range(1, MAX_MODEL_LEN + 10)), SamplingParams(max_tokens=4), None)

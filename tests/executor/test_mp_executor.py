@@ -61,6 +61,7 @@ def test_tp2_greedy_matches_tp1(tiny_checkpoint, arch):
     uni = LLM(path, **ENGINE_ARGS)
     expected = _generate(uni, prompts, logprobs=2)
     full_size = uni.engine_core.executor.worker.num_parameters()
+    _check_in_process_cpu_threads(uni)
     uni.shutdown()
 
     # Chunked prefill (a 16-token budget) and several requests per step on both ranks.
@@ -68,6 +69,7 @@ def test_tp2_greedy_matches_tp1(tiny_checkpoint, arch):
     try:
         executor = llm.engine_core.executor
         assert isinstance(executor, MultiprocExecutor) and len(executor.worker_pids) == 2
+        _check_cpu_threads(executor)
         _check_weight_views_cover_every_rank(llm)
         shard_sizes = executor.collective_rpc("num_parameters")
         if max(shard_sizes) >= full_size:
@@ -80,6 +82,28 @@ def test_tp2_greedy_matches_tp1(tiny_checkpoint, arch):
             np.testing.assert_allclose(got_lp, want_lp, atol=1e-4)
     finally:
         llm.shutdown()
+
+
+def _check_in_process_cpu_threads(llm: LLM) -> None:
+    """An in-process engine sets the planned thread count but leaves the caller's process unpinned."""
+    from engine.executor.cpu_threads import allowed_cpus, plan_cpu_threads
+
+    report = llm.engine_core.executor.worker.cpu_threads()
+    assert report["pid"] == os.getpid() and report["cpus"] == allowed_cpus()
+    want = plan_cpu_threads(allowed_cpus(), omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
+    assert report["num_threads"] == want.num_threads
+
+
+def _check_cpu_threads(executor) -> None:
+    """Each CPU rank runs its own slice of the cores (engine/executor/cpu_threads.py), in its own process."""
+    from engine.executor.cpu_threads import allowed_cpus, plan_cpu_threads
+
+    reports = executor.collective_rpc("cpu_threads")
+    assert [r["pid"] for r in reports] == executor.worker_pids
+    for rank, report in enumerate(reports):
+        want = plan_cpu_threads(allowed_cpus(), 2, rank, os.environ.get("OMP_NUM_THREADS"))
+        assert report["num_threads"] == want.num_threads
+        assert report["cpus"] == (list(want.cpus) if want.cpus is not None else allowed_cpus())
 
 
 def _check_weight_views_cover_every_rank(llm: LLM) -> None:
