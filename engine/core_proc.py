@@ -294,14 +294,20 @@ class EngineCoreProc:
             by_client[client].append(out)
         # Clients hear about steps that carry their outputs; when the engine falls idle every
         # client gets one last (possibly empty) message, so its gauges come back to zero.
-        clients = range(len(self.output_sockets)) if not self.engine_core.has_unfinished_requests() else by_client
-        for client in clients:
+        idle = not self.engine_core.has_unfinished_requests()
+        clients = list(range(len(self.output_sockets))) if idle else list(by_client)
+        if not clients and stats is not None:
+            # A step without outputs still counts (async scheduling's first step after admission made
+            # the prefix-cache lookups): its stats go to client 0 rather than nowhere.
+            clients = [0]
+        for i, client in enumerate(clients):
             self._send(
                 client,
                 EngineCoreOutputs(
                     outputs=by_client.get(client, []),
                     timestamp=step.timestamp,
-                    scheduler_stats=stats,
+                    # The counts since the last stats go to one client; the others get the gauges.
+                    scheduler_stats=stats if i == 0 or stats is None else stats.gauges_only(),
                     engine_index=self.engine_index,
                     weight_version=step.weight_version,
                 ),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -101,3 +101,9 @@ class SchedulerStats:
     # pause_state 2 only: memory stays where it is).
     sleep_level: int = 0
     spec_decoding: SpecDecodingStats | None = None  # since the last stats; None without a speculator
+
+    def gauges_only(self) -> SchedulerStats:
+        """A copy without the since-the-last-stats counts: what a second client of one engine gets, so
+        that each count is recorded by exactly one frontend."""
+        return replace(self, prefix_cache_queries=0, prefix_cache_hits=0, step_num_preemptions=0,
+                       step_work=StepWork(), spec_decoding=None)

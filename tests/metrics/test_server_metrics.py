@@ -85,6 +85,30 @@ def test_metrics_speak_vllms_names_and_move(server):
     assert value(after, "vllm:num_requests_running", "vllm:num_requests_running") == 0
 
 
+def test_prefix_cache_counters_count_what_the_engine_process_found(server):
+    # The engine runs in its own process with async scheduling: the step that looks a prompt up in the
+    # prefix cache has no outputs yet, and its counts must still reach /metrics.
+    _, before = scrape(server)
+    names = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens_cached")
+    start = {name: value(before, name, name + "_total") for name in names}
+    body = {"model": SERVED, "prompt": "hello " * 40, "max_tokens": 2, "ignore_eos": True}
+    usage = []
+    for _ in range(3):  # the first computes the prompt, the next two hit its full blocks
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        usage.append(r.json()["usage"])
+    _, after = scrape(server)
+    moved = {name: value(after, name, name + "_total") - start[name] for name in names}
+    num_prompt = usage[0]["prompt_tokens"]
+    assert moved["vllm:prefix_cache_queries"] == 3 * num_prompt
+    hits = 2 * (num_prompt // 16) * 16  # full 16-token blocks, twice (the last token is always computed)
+    if num_prompt % 16 == 0:
+        hits -= 2 * 16
+    assert moved["vllm:prefix_cache_hits"] == moved["vllm:prompt_tokens_cached"] == hits > 0
+    assert value(after, "vllm:prompt_tokens_cached_by_source", "vllm:prompt_tokens_cached_by_source_total",
+                 source="device") >= hits  # fmt: skip
+
+
 def test_sleep_state_follows_sleep_and_wake_up(server):
     r = httpx.post(server.url + "/sleep", params={"level": 1}, timeout=120)
     assert r.status_code == 200, r.text
