@@ -34,13 +34,41 @@ _DECODE_GROUP_SIZE = 32
 
 
 @dataclass
+class _PrefillGroup:
+    """Prefill rows of one shape (the same query_len q and seq_len), run as one batch of g rows: no padding."""
+
+    tokens: torch.Tensor  # [g, q] token indices of each row's queries
+    block_ids: torch.Tensor  # [g, num_blocks]
+    seq_len: int
+    mask: torch.Tensor  # [q, seq_len] bool, True = attend: keys 0..the query's position
+
+
+@dataclass
 class _Plan:
     """How one step's rows are split; built on the first layer, reused by the others."""
 
     # (token indices [g], block ids [g, num_blocks], additive mask [g, 1, 1, ctx]) per decode group.
     decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    # (first token, last token + 1, row) per row with more than one query token.
-    prefill_rows: list[tuple[int, int, int]]
+    # Rows with more than one query token, by shape.
+    prefill_groups: list[_PrefillGroup]
+
+
+def _make_prefill_group(rows: list[int], starts: list[int], metadata: AttentionMetadata, block_size: int,
+                        device: torch.device) -> _PrefillGroup:
+    query_len, seq_len = metadata.query_lens_cpu[rows[0]], metadata.seq_lens_cpu[rows[0]]
+    first = torch.tensor([starts[i] for i in rows], device=device)  # [g]
+    tokens = first[:, None] + torch.arange(query_len, device=device)[None, :]  # [g, q]
+    # Query j sits at position (seq_len - query_len + j) and sees keys 0..that position:
+    #   keys:    0 1 2 3 4 5      (seq_len 6, query_len 2, prefix 4)
+    #   query 0: x x x x x .
+    #   query 1: x x x x x x
+    query_pos = torch.arange(seq_len - query_len, seq_len, device=device)
+    key_pos = torch.arange(seq_len, device=device)
+    row_ids = torch.tensor(rows, device=device)
+    return _PrefillGroup(
+        tokens=tokens, block_ids=metadata.block_table[row_ids, : -(-seq_len // block_size)].long(), seq_len=seq_len,
+        mask=key_pos[None, :] <= query_pos[:, None],
+    )
 
 
 def _make_plan(metadata: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
@@ -60,8 +88,15 @@ def _make_plan(metadata: AttentionMetadata, block_size: int, device: torch.devic
         bias = torch.zeros(valid.shape, device=device).masked_fill_(~valid, float("-inf"))
         tokens = torch.tensor([starts[i] for i in rows], device=device)
         groups.append((tokens, block_ids, bias[:, None, None, :]))
-    prefill_rows = [(starts[i], starts[i + 1], i) for i, n in enumerate(query_lens) if n > 1]
-    return _Plan(groups, prefill_rows)
+    # Prefill rows grouped by exact shape: a row's result then never depends on the others in its
+    # batch (no padding; SDPA computes each batch entry alike), and an RL step's n samples of a
+    # prompt, or many prompts of one length, share one call per layer.
+    shapes: dict[tuple[int, int], list[int]] = {}
+    for i, n in enumerate(query_lens):
+        if n > 1:
+            shapes.setdefault((n, seq_lens[i]), []).append(i)
+    prefill = [_make_prefill_group(rows, starts, metadata, block_size, device) for rows in shapes.values()]
+    return _Plan(groups, prefill)
 
 
 def paged_attention(
@@ -72,9 +107,9 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
     """Causal attention of every request's new tokens over its cached context, for a mixed batch.
 
-    Decode rows (query_len 1) run as a few padded batches of similar context length;
-    longer rows (prefill chunks, possibly over a cached prefix) run one at a time, since
-    each costs a matmul anyway. Tokens past num_actual_tokens (padding) get zeros.
+    Decode rows (query_len 1) run as a few padded batches of similar context length; longer
+    rows (prefill chunks, possibly over a cached prefix) run as one batch per shape (query
+    length, context length). Tokens past num_actual_tokens (padding) get zeros.
     """
     plan = metadata.backend_plan
     if plan is None:
@@ -82,10 +117,10 @@ def paged_attention(
     output = torch.zeros_like(query)
     for tokens, block_ids, mask in plan.decode_groups:
         output[tokens] = _decode_attention(query[tokens], kv_cache, block_ids, mask, scale)
-    for start, end, row in plan.prefill_rows:
-        output[start:end] = _prefill_attention(
-            query[start:end], kv_cache, metadata.block_table[row], metadata.seq_lens_cpu[row], scale
-        )
+    for group in plan.prefill_groups:
+        tokens = group.tokens.reshape(-1)
+        output[tokens] = _prefill_attention(query[tokens].view(*group.tokens.shape, *query.shape[1:]), kv_cache, group,
+                                            scale).flatten(0, 1)
     return output
 
 
@@ -101,34 +136,25 @@ def _gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[to
 
 
 def _prefill_attention(
-    query: torch.Tensor,  # [query_len, Hq, D]
+    query: torch.Tensor,  # [g, q, Hq, D]
     kv_cache: torch.Tensor,
-    block_row: torch.Tensor,  # [max_num_blocks_per_req] int32
-    seq_len: int,
+    group: _PrefillGroup,
     scale: float,
-) -> torch.Tensor:  # [query_len, Hq, D]
-    query_len, num_heads, _ = query.shape
-    block_size = kv_cache.shape[2]
-    num_blocks = -(-seq_len // block_size)
-    key, value = _gather_context(kv_cache, block_row[:num_blocks].long())
+) -> torch.Tensor:  # [g, q, Hq, D]
+    """Causal attention of g prefill rows of one shape, each over its own cached context."""
+    num_heads = query.shape[2]
+    key, value = _gather_context(kv_cache, group.block_ids)  # [g, num_blocks * block_size, Hkv, D]
     # Slice to exactly seq_len keys: stale slots past the context are never touched.
-    key, value = key[:seq_len], value[:seq_len]  # [seq_len, Hkv, D]
-    # Query j sits at position (seq_len - query_len + j) and sees keys 0..that position:
-    #   keys:    0 1 2 3 4 5      (seq_len 6, query_len 2, prefix 4)
-    #   query 0: x x x x x .
-    #   query 1: x x x x x x
-    query_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
-    key_pos = torch.arange(seq_len, device=query.device)
-    mask = key_pos[None, :] <= query_pos[:, None]  # [query_len, seq_len], True = attend
+    key, value = key[:, : group.seq_len], value[:, : group.seq_len]  # [g, seq_len, Hkv, D]
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1),  # [Hq, query_len, D]
-        key.transpose(0, 1),  # [Hkv, seq_len, D]
-        value.transpose(0, 1),
-        attn_mask=mask,
+        query.transpose(1, 2),  # [g, Hq, q, D]
+        key.transpose(1, 2),  # [g, Hkv, seq_len, D]
+        value.transpose(1, 2),
+        attn_mask=group.mask,
         scale=scale,
-        enable_gqa=num_heads != key.shape[1],
+        enable_gqa=num_heads != key.shape[2],
     )
-    return out.transpose(0, 1)
+    return out.transpose(1, 2)
 
 
 def _decode_attention(

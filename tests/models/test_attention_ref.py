@@ -92,3 +92,43 @@ def test_attention_layer_reads_forward_context():
         out = layer(q, k, v)
     expected = naive_attention(q.view(6, 4, 16), k.view(6, 2, 16), v.view(6, 2, 16), 0.25)
     torch.testing.assert_close(out, expected.reshape(6, 64), atol=1e-5, rtol=1e-5)
+
+
+def _fill_rows(rows, block_size, num_kv_heads, num_heads, head_size, gen):
+    """(kv_cache, metadata, query) of `rows` [(query_len, seq_len)], every row's context written to its own blocks."""
+    num_blocks = sum(-(-s // block_size) for _, s in rows) + 1
+    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size)
+    block_table, next_block = [], 1
+    for _, seq_len in rows:
+        n = -(-seq_len // block_size)
+        block_table.append(list(range(next_block, next_block + n)))
+        next_block += n
+    full = AttentionMetadata.build([s for _, s in rows], [s for _, s in rows], block_table, block_size)
+    total = sum(s for _, s in rows)
+    k, v = torch.randn(2, total, num_kv_heads, head_size, generator=gen)
+    write_kv_cache(k, v, kv_cache, full.slot_mapping)
+    metadata = AttentionMetadata.build([q for q, _ in rows], [s for _, s in rows], block_table, block_size)
+    query = torch.randn(sum(q for q, _ in rows), num_heads, head_size, generator=gen)
+    return kv_cache, metadata, query
+
+
+def test_prefill_row_gives_the_same_bits_alone_and_batched():
+    """Prefill rows of one shape share an SDPA call: each row's output is bit-identical to its output alone
+    (the engine's seeded samples must not depend on the batch), and still matches naive attention."""
+    gen = torch.Generator().manual_seed(11)
+    block_size, num_heads, num_kv_heads, head_size = 4, 4, 2, 32
+    # 12 rows of one shape (an RL prompt's n samples), some of another, a chunk over a prefix, decodes.
+    rows = [(6, 6)] * 12 + [(5, 5)] * 3 + [(3, 10), (1, 7), (6, 6), (2, 2)]
+    kv_cache, metadata, query = _fill_rows(rows, block_size, num_kv_heads, num_heads, head_size, gen)
+    scale = 0.2
+    batched = paged_attention(query, kv_cache, metadata, scale)
+    start = 0
+    for i, (query_len, seq_len) in enumerate(rows):
+        table = metadata.block_table[i, : -(-seq_len // block_size)].tolist()
+        alone = AttentionMetadata.build([query_len], [seq_len], [table], block_size)
+        out = paged_attention(query[start : start + query_len], kv_cache, alone, scale)
+        assert torch.equal(out, batched[start : start + query_len]), i
+        keys = kv_cache[:, table].flatten(1, 2)[:, :seq_len]  # [2, seq_len, Hkv, D]
+        torch.testing.assert_close(out, naive_attention(query[start : start + query_len], keys[0], keys[1], scale),
+                                   atol=1e-5, rtol=1e-5)
+        start += query_len
