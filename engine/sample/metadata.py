@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -25,8 +26,9 @@ class SamplingMetadata:
     min_p: torch.Tensor | None  # [B] float32; 0.0 = off
     # Seeded rows: row -> a generator seeded with mix_seed(request seed, output position). The
     # sampler uses its initial_seed() as the row's noise key (it never draws from it), so a
-    # request's token does not depend on the rest of the batch, nor on CPU vs GPU.
-    generators: dict[int, torch.Generator]
+    # request's token does not depend on the rest of the batch, nor on CPU vs GPU. The model runner
+    # passes a random_sampling.SeededKeys (the keys as arrays, no generator built per row).
+    generators: Mapping[int, torch.Generator]
     # Penalties; None when no row uses any of them.
     presence_penalties: torch.Tensor | None  # [B] float32
     frequency_penalties: torch.Tensor | None  # [B] float32

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
+import numpy as np
 import torch
 
 from engine.host_copy import to_device
@@ -24,6 +27,58 @@ def mix_seed(seed: int, position: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)) & _MASK63
 
 
+def _splitmix64_array(x: np.ndarray) -> np.ndarray:
+    """_splitmix64 of every element of a uint64 array (numpy's uint64 arithmetic wraps mod 2^64, as the masks do)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def seed_to_uint64(seed: int) -> np.uint64:
+    """A request seed (any 64-bit signed int) as the uint64 that mix_seed masks it to."""
+    return np.uint64(seed & _MASK64)
+
+
+def mix_seeds(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:  # [S] int64, each in [0, 2^63)
+    """mix_seed of each (seed, position) pair at once: seeds [S] uint64 (seed_to_uint64), positions [S] (>= 0)."""
+    with np.errstate(over="ignore"):
+        mixed = _splitmix64_array(_splitmix64_array(seeds.astype(np.uint64, copy=False)) ^ positions.astype(np.uint64))
+    return (mixed & np.uint64(_MASK63)).astype(np.int64)
+
+
+class SeededKeys(Mapping):
+    """The seeded rows of a step as arrays: row -> the noise key mix_seed(seed, position), built without a generator per row.
+
+    SamplingMetadata.generators may hold one of these instead of a dict of generators: the
+    sampler reads the keys as one tensor. Looking a row up still gives a generator with that
+    initial_seed(), for callers that want one.
+    """
+
+    def __init__(self, rows: np.ndarray, keys: np.ndarray) -> None:
+        if rows.shape != keys.shape or rows.ndim != 1:
+            raise ValueError(f"rows {rows.shape} and keys {keys.shape}: expected two equal 1-d arrays")
+        self.rows = rows.astype(np.int64, copy=False)  # [S]
+        self.keys = keys.astype(np.int64, copy=False)  # [S]
+        self._index: dict[int, int] | None = None
+
+    def _lookup(self) -> dict[int, int]:
+        if self._index is None:
+            self._index = {r: i for i, r in enumerate(self.rows.tolist())}
+        return self._index
+
+    def __getitem__(self, row: int) -> torch.Generator:
+        gen = torch.Generator()
+        gen.manual_seed(int(self.keys[self._lookup()[row]]))
+        return gen
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.rows.tolist())
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
 def make_generator(seed: int, position: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator whose initial_seed() is mix_seed(seed, position): one seeded request at one output position.
 
@@ -41,7 +96,7 @@ def make_generator(seed: int, position: int, device: torch.device | str = "cpu")
 
 def sampling_keys(
     num_rows: int,
-    generators: dict[int, torch.Generator],
+    generators: Mapping[int, torch.Generator],
     generator: torch.Generator | None,
     device: torch.device,
 ) -> torch.Tensor:  # [B] int64, each in [0, 2^63)
@@ -56,7 +111,10 @@ def sampling_keys(
         keys = keys.to(device)
     else:
         keys = torch.empty(num_rows, dtype=torch.int64, device=device)
-    if generators:
+    if isinstance(generators, SeededKeys):
+        if len(generators):
+            keys[to_device(torch.from_numpy(generators.rows), device)] = to_device(torch.from_numpy(generators.keys), device)
+    elif generators:
         rows = torch.tensor(list(generators), dtype=torch.int64)
         seeded = torch.tensor([gen.initial_seed() & _MASK63 for gen in generators.values()], dtype=torch.int64)
         keys[to_device(rows, device)] = to_device(seeded, device)
@@ -65,7 +123,7 @@ def sampling_keys(
 
 def sample_from_logits(
     logits: torch.Tensor,  # [B, V] float32: temperature, top-k/top-p/min-p already applied (masked = -inf)
-    generators: dict[int, torch.Generator],
+    generators: Mapping[int, torch.Generator],
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:  # [B] int64
     """Draws one token per row from softmax(logits) by Gumbel-max with counter-based noise.

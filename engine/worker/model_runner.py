@@ -12,7 +12,8 @@ from engine.config import EngineConfig
 from engine.core.sched_output import SchedulerOutput
 from engine.forward_context import set_forward_context
 from engine.host_copy import to_device, to_host
-from engine.sample import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs, make_generator
+from engine.sample import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
+from engine.sample.random_sampling import SeededKeys, mix_seeds
 from engine.wire import LogprobsLists
 from engine.worker.cuda_graphs import CudaGraphRunner
 from engine.worker.input_batch import InputBatch, make_input_batch
@@ -415,11 +416,10 @@ class ModelRunner:
             col = values[slots_t]
             return self._h2d(col) if bool((col != off_value).any()) else None
 
-        generators = {
-            i: make_generator(sp.seed, num_outputs[i], self.device)
-            for i, sp in enumerate(params)
-            if sp.seed is not None and not sp.greedy
-        }
+        # Seeded sampling rows' noise keys, all at once (random_sampling.SeededKeys).
+        seeded_rows = np.flatnonzero(st.seeded[slots])
+        generators = SeededKeys(seeded_rows, mix_seeds(st.seed[slots[seeded_rows]],
+                                                       (ends - st.num_prompt_tokens[slots])[seeded_rows]))
         presence = st.presence_penalty[slots_t]
         frequency = st.frequency_penalty[slots_t]
         repetition = st.repetition_penalty[slots_t]

@@ -6,6 +6,7 @@ specific token ids here except test_sample_gumbel.py::test_golden_token).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.sample import Sampler, make_generator
@@ -152,3 +153,29 @@ def test_seeded_draws_over_positions_follow_top_k_top_p_distribution(make_md):
     freq = torch.bincount(out, minlength=vocab).double() / num_draws
     assert bool((freq[target == 0] == 0).all())
     assert 0.5 * float((freq - target.double()).abs().sum()) < 0.02
+
+
+def test_seeded_keys_are_mix_seed_and_sample_like_generators(make_md):
+    """The model runner's vectorised keys (mix_seeds, SeededKeys) equal mix_seed per row, including negative and
+    extreme seeds, and the sampler draws the same tokens from them as from a dict of make_generator's."""
+    import numpy as np
+
+    from engine.sample.random_sampling import SeededKeys, mix_seeds, seed_to_uint64
+
+    gen = torch.Generator().manual_seed(4)
+    seeds = [0, -1, 2**63 - 1, -(2**63), 12345] + torch.randint(-(2**62), 2**62, (59,), generator=gen).tolist()
+    positions = [0, 10**9, 2**40, 1, 7] + torch.randint(0, 10**6, (59,), generator=gen).tolist()
+    keys = mix_seeds(np.array([seed_to_uint64(s) for s in seeds], dtype=np.uint64), np.array(positions))
+    assert keys.tolist() == [mix_seed(s, p) for s, p in zip(seeds, positions)]
+
+    num_rows, vocab = 96, 700
+    logits = torch.randn(num_rows, vocab, generator=gen) * 2
+    rows = np.arange(0, num_rows, 3)[: len(seeds)]  # every third row seeded, the rest draw from the sampler's own
+    as_keys = SeededKeys(rows, keys[: len(rows)])
+    as_gens = {int(r): make_generator(seeds[i], positions[i]) for i, r in enumerate(rows)}
+    assert sorted(as_keys) == sorted(as_gens) and as_keys[int(rows[2])].initial_seed() == as_gens[int(rows[2])].initial_seed()
+    a = Sampler(torch.Generator().manual_seed(1))(logits, make_md(num_rows, generators=as_keys)).sampled_token_ids
+    b = Sampler(torch.Generator().manual_seed(2))(logits, make_md(num_rows, generators=as_gens)).sampled_token_ids
+    assert torch.equal(a[rows], b[rows])
+    with pytest.raises(ValueError, match="two equal 1-d arrays"):
+        SeededKeys(rows, keys[:2])
