@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from engine import SamplingParams
@@ -119,28 +121,34 @@ def collate(outputs: Sequence, pad_token_id: int, group_size: int) -> RolloutBat
     )
 
 
+def _ragged_rows(rows: list[list], num_cols: int, fill, dtype: np.dtype) -> np.ndarray:
+    """[len(rows), num_cols] array of the rows right-padded with `fill`: one scatter, no per-row copy."""
+    lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    out = np.full((len(rows), num_cols), fill, dtype=dtype)
+    total = int(lens.sum())
+    if total:
+        starts = np.cumsum(lens) - lens  # [B] first flat index of each row
+        row_of = np.repeat(np.arange(len(rows)), lens)  # [N]
+        flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=dtype, count=total)
+        out[row_of, np.arange(total) - starts[row_of]] = flat
+    return out
+
+
 def _padded(prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]], pad_token_id: int,
             loss_masks: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
     """RolloutBatch's tensors of per-sample token lists, right-padded: input_ids [B, L], prompt_lens [B], and the [B, R] ones."""
-    num_samples = len(responses)
-    num_resp = max((len(r) for r in responses), default=0)
-    num_cols = max((len(p) + len(r) for p, r in zip(prompts, responses)), default=0)
-    input_ids = torch.full((num_samples, num_cols), pad_token_id, dtype=torch.int64)  # [B, L]
-    response_ids = torch.full((num_samples, num_resp), pad_token_id, dtype=torch.int64)  # [B, R]
-    response_mask = torch.zeros(num_samples, num_resp, dtype=torch.float32)  # [B, R]
-    rollout_logprobs = torch.zeros(num_samples, num_resp, dtype=torch.float32)  # [B, R]
-    loss_mask = None if loss_masks is None else torch.zeros(num_samples, num_resp, dtype=torch.float32)  # [B, R]
-    for b, (p, r, lp) in enumerate(zip(prompts, responses, logprobs)):
-        input_ids[b, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.int64)
-        if r:
-            response_ids[b, : len(r)] = torch.tensor(r, dtype=torch.int64)
-            response_mask[b, : len(r)] = 1.0
-            rollout_logprobs[b, : len(r)] = torch.tensor(lp, dtype=torch.float32)
-            if loss_mask is not None:
-                loss_mask[b, : len(r)] = torch.tensor(loss_masks[b], dtype=torch.float32)
-    return dict(input_ids=input_ids, prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.int64),
-                response_ids=response_ids, response_mask=response_mask, rollout_logprobs=rollout_logprobs,
-                loss_mask=loss_mask)
+    prompt_lens = np.fromiter(map(len, prompts), dtype=np.int64, count=len(prompts))  # [B]
+    response_lens = np.fromiter(map(len, responses), dtype=np.int64, count=len(responses))  # [B]
+    num_resp = int(response_lens.max(initial=0))
+    num_cols = int((prompt_lens + response_lens).max(initial=0))
+    input_ids = _ragged_rows([p + r for p, r in zip(prompts, responses)], num_cols, pad_token_id, np.int64)  # [B, L]
+    response_ids = _ragged_rows(responses, num_resp, pad_token_id, np.int64)  # [B, R]
+    response_mask = (np.arange(num_resp)[None, :] < response_lens[:, None]).astype(np.float32)  # [B, R]
+    rollout_logprobs = _ragged_rows(logprobs, num_resp, 0.0, np.float32)  # [B, R]
+    loss_mask = None if loss_masks is None else torch.from_numpy(_ragged_rows(loss_masks, num_resp, 0.0, np.float32))
+    return dict(input_ids=torch.from_numpy(input_ids), prompt_lens=torch.from_numpy(prompt_lens),
+                response_ids=torch.from_numpy(response_ids), response_mask=torch.from_numpy(response_mask),
+                rollout_logprobs=torch.from_numpy(rollout_logprobs), loss_mask=loss_mask)
 
 
 def collate_sessions(trajectories: Sequence, pad_token_id: int, group_size: int) -> RolloutBatch:
