@@ -1,15 +1,22 @@
-"""Offline throughput: our engine against HF transformers generate() on the same random workload.
+"""Offline throughput: our engine against a peer (HF transformers generate(), or vLLM's LLM.generate) on the same random workload.
 
-Prints a table (output tokens/s for both and their ratio) and writes JSON. Prompt and output
-lengths are drawn uniformly from ranges; every request runs to its max_tokens (ignore_eos).
+Prints a table (output tokens/s, ratios) and writes JSON with the machine's load (`uptime`).
+Prompt and output lengths are drawn uniformly from ranges; every request runs to its max_tokens
+(ignore_eos). --peer vllm runs vLLM in its own interpreter (--vllm-python, e.g. a venv with
+vLLM's CPU build) through benchmarks/vllm_peer.py, on the same checkpoint, prompt ids and
+output lengths, alternating with ours --repeats times. --busy-core adds runs while another
+process keeps one core busy, to see what contention does to each engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -45,14 +52,36 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-hf", action="store_true", help="no peer run (same as --peer none)")
+    p.add_argument("--peer", choices=["hf", "vllm", "none"], default="hf",
+                   help="what ours is compared with: HF generate() in this process, or vLLM in --vllm-python")
+    p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"),
+                   help="--peer vllm: the interpreter with vLLM installed (default: $VLLM_PYTHON)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30, help="--peer vllm: vLLM's KV cache size")
+    p.add_argument("--repeats", type=int, default=1, help="run ours and the peer alternately this many times each")
+    p.add_argument("--busy-core", action="store_true",
+                   help="also run each engine while a competing process keeps one core busy")
+    p.add_argument("--busy-core-cpu", type=int, default=None,
+                   help="pin the competing process to this core (default: unpinned, the OS places it)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (mp executor)")
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engines behind one RolloutGroup, each on its own GPU(s); requests are balanced between them")
     p.add_argument("--frontend", choices=["llm", "group"], default="llm",
                    help="llm: the offline LLM class; group: a RolloutGroup (async frontend), forced above one engine")
     p.add_argument("--json-out", default="benchmarks/out/offline_throughput.json")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.skip_hf:
+        args.peer = "none"
+    if args.peer == "vllm":
+        if not args.vllm_python:
+            p.error("--peer vllm needs --vllm-python (or $VLLM_PYTHON): the interpreter of a venv with vLLM")
+        if not os.access(args.vllm_python, os.X_OK):
+            p.error(f"--vllm-python {args.vllm_python!r} is not an executable")
+        if args.data_parallel_size > 1 or args.tensor_parallel_size > 1 or args.frontend != "llm":
+            p.error("--peer vllm compares one in-process engine; drop --data/tensor-parallel-size and --frontend")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    return args
 
 
 def run_engine(args, path: str, work) -> dict:
@@ -166,6 +195,119 @@ def run_hf(args, path: str, work, device: str, dtype: torch.dtype) -> dict:
             "batch_size": batch_size, "num_requests": len(work)}
 
 
+def run_vllm(args, path: str, work, dtype: str) -> dict:
+    """vLLM's LLM.generate on the same requests, in --vllm-python (benchmarks/vllm_peer.py)."""
+    spec = {"model": path, "dtype": dtype, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_model_len": args.input_len[1] + args.output_len[1],
+            "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+            "seed": args.seed, "temperature": args.temperature, "requests": work}
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        in_path, out_path = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
+        with open(in_path, "w") as f:
+            json.dump(spec, f)
+        # vLLM's own environment: none of this repository on its path, its log output kept short.
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        proc = subprocess.run([args.vllm_python, script, in_path, out_path], env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the vLLM peer failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        with open(out_path) as f:
+            return json.load(f)
+
+
+class BusyCore:
+    """A competing process that keeps one core busy (a Python spin loop) while the block runs."""
+
+    def __init__(self, cpu: int | None) -> None:
+        self.cpu = cpu
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "BusyCore":
+        code = "import os, sys\nif sys.argv[1] != 'any': os.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass"
+        self.proc = subprocess.Popen([sys.executable, "-c", code, "any" if self.cpu is None else str(self.cpu)])
+        time.sleep(0.5)  # running before the engine starts
+        return self
+
+    def __exit__(self, *exc) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+
+def load() -> dict:
+    """The machine's load average and `uptime`'s line: how busy it was around a measurement."""
+    one, five, fifteen = os.getloadavg()
+    try:
+        line = subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        line = None
+    return {"loadavg": [one, five, fifteen], "uptime": line, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _measured(fn, *fn_args) -> dict:
+    before = load()
+    result = fn(*fn_args)
+    return {**result, "load_before": before, "load_after": load()}
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def run_vllm_comparison(args, path: str, work) -> None:
+    """Ours and vLLM alternately (quiet, then with one busy core if asked); one table and one JSON."""
+    if args.device not in ("auto", "cpu") or torch.cuda.is_available() and args.device == "auto":
+        raise SystemExit("--peer vllm compares the CPU builds: pass --device cpu")
+    dtype = str(_dtype(args, "cpu"))
+    vllm_dtype = dtype.removeprefix("torch.")
+    runs: dict[str, list[dict]] = {"ours": [], "vllm": []}
+    if args.busy_core:
+        runs.update({"ours_busy_core": [], "vllm_busy_core": []})
+    for i in range(args.repeats):
+        runs["ours"].append(_measured(run_engine, args, path, work))
+        print(f"[{i}] ours: {runs['ours'][-1]['output_tok_per_s']:.1f} tok/s", flush=True)
+        runs["vllm"].append(_measured(run_vllm, args, path, work, vllm_dtype))
+        print(f"[{i}] vllm: {runs['vllm'][-1]['output_tok_per_s']:.1f} tok/s", flush=True)
+        if args.busy_core:
+            with BusyCore(args.busy_core_cpu):
+                runs["ours_busy_core"].append(_measured(run_engine, args, path, work))
+            print(f"[{i}] ours, one core busy: {runs['ours_busy_core'][-1]['output_tok_per_s']:.1f} tok/s", flush=True)
+            with BusyCore(args.busy_core_cpu):
+                runs["vllm_busy_core"].append(_measured(run_vllm, args, path, work, vllm_dtype))
+            print(f"[{i}] vllm, one core busy: {runs['vllm_busy_core'][-1]['output_tok_per_s']:.1f} tok/s", flush=True)
+    median = {name: _median([r["output_tok_per_s"] for r in rs]) for name, rs in runs.items()}
+    ratios = {"ours_vs_vllm": median["ours"] / median["vllm"]}
+    if args.busy_core:
+        ratios["ours_busy_vs_quiet"] = median["ours_busy_core"] / median["ours"]
+        ratios["vllm_busy_vs_quiet"] = median["vllm_busy_core"] / median["vllm"]
+        ratios["ours_vs_vllm_busy_core"] = median["ours_busy_core"] / median["vllm_busy_core"]
+    result = {
+        "benchmark": "offline_throughput", "peer": "vllm", "model": args.model, "model_path": path,
+        "num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "temperature": args.temperature, "dtype": dtype, "repeats": args.repeats,
+        "busy_core_cpu": args.busy_core_cpu if args.busy_core else None,
+        "machine": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(), "vllm": runs["vllm"][0]["vllm"],
+        "runs": runs, "median_output_tok_per_s": median, "ratios": ratios,
+        "output_tok_per_s": median["ours"],
+    }
+    print(f"\nOffline throughput: {args.num_requests} requests, prompt {args.input_len}, output {args.output_len}, "
+          f"model {args.model}, cpu, {dtype}, vLLM {result['vllm']}; {args.repeats} run(s) each, alternating")
+    print(f"{'engine':<22}{'output tok/s (each run)':>40}{'median':>10}{'load before (1/5/15 min)':>28}")
+    for name, rs in runs.items():
+        each = " ".join(f"{r['output_tok_per_s']:.0f}" for r in rs)
+        loads = " | ".join("/".join(f"{x:.2f}" for x in r["load_before"]["loadavg"]) for r in rs)
+        print(f"{name:<22}{each:>40}{median[name]:>10.0f}   {loads}")
+    for name, value in ratios.items():
+        print(f"{name}: {value:.2f}x")
+    write_json(args.json_out, result)
+
+
 def _dtype(args, device: str) -> torch.dtype:
     from engine.worker.worker import resolve_dtype
 
@@ -191,7 +333,14 @@ def main() -> None:
         from engine.kernels import attention
 
         attention.LONGEST_FIRST = args.attention_order == "longest"
-    ours = run_engine(args, path, work)
+    if args.peer == "vllm":
+        run_vllm_comparison(args, path, work)
+        return
+    if args.busy_core:
+        with BusyCore(args.busy_core_cpu):
+            ours = run_engine(args, path, work)
+    else:
+        ours = run_engine(args, path, work)
     result = {
         "benchmark": "offline_throughput",
         "model": args.model,
@@ -207,10 +356,12 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "engine": ours,
         "output_tok_per_s": ours["output_tok_per_s"],
+        "busy_core": args.busy_core,
+        "load": load(),
     }
     rows = [("ours", ours)]
     print(f"ours: {ours['output_tok_per_s']:.1f} output tok/s in {ours['elapsed_s']:.2f} s", flush=True)  # before HF's slow run
-    if not args.skip_hf:
+    if args.peer == "hf":
         dtype = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16,
                  "torch.float16": torch.float16}[ours["dtype"]]
         hf = run_hf(args, path, work, ours["device"], dtype)
