@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs, WeightVersionSpan
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams, _check_int64
 from engine.stop_strings import find_stop_string, stop_hold_back
 from engine.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 
@@ -45,11 +46,24 @@ class ParentRequest:
 
     def make_child_requests(self, request: EngineCoreRequest) -> list[EngineCoreRequest]:
         """The n engine requests for `request` (whose id and params are the parent's), in index order."""
+        # Child 0's params are built (and fully validated) as child_sampling_params builds them; the
+        # others differ from child 0 only in seed and prompt_logprobs=None (always valid), so they are
+        # shallow copies with those set, the seed bound-checked as validation would. Same params and
+        # the same first error as validating every child, without n-1 re-validations.
+        first = self.child_sampling_params(0)
+        params = [first]
+        for i in range(1, self.n):
+            child = copy.copy(first)
+            if first.seed is not None:
+                child.seed = self.sampling_params.seed + i
+                _check_int64("seed", child.seed)
+            child.prompt_logprobs = None
+            params.append(child)
         return [
             EngineCoreRequest(
                 request_id=self.child_req_ids[i],
                 prompt_token_ids=request.prompt_token_ids,
-                sampling_params=self.child_sampling_params(i),
+                sampling_params=params[i],
                 eos_token_id=request.eos_token_id,
                 arrival_time=request.arrival_time,
                 priority=request.priority,

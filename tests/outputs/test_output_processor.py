@@ -162,6 +162,22 @@ def test_parent_request_makes_children():
     assert [c.sampling_params.seed for c in unseeded] == [None, None]
 
 
+def test_children_params_are_validated_copies():
+    """Children 1..n-1 are copies of child 0 (not re-validated), yet equal to what validating each gives,
+    independent objects, and a seed past int64 at any index is refused as validation refuses it."""
+    sp = SamplingParams(n=4, seed=9, logprobs=2, prompt_logprobs=1, stop="x", temperature=0.5)
+    parent = ParentRequest("req", sp)
+    children = [c.sampling_params for c in parent.make_child_requests(EngineCoreRequest("req", PROMPT_IDS, sp, eos_token_id=0))]
+    assert children == [parent.child_sampling_params(i) for i in range(4)]
+    assert len({id(c) for c in children} | {id(sp)}) == 5
+    children[2].seed = 0
+    assert children[1].seed == 10 and children[3].seed == 12 and sp.seed == 9
+    top = 2**63 - 1
+    near = SamplingParams(n=3, seed=top - 1)  # children 0 and 1 fit, child 2's seed does not
+    with pytest.raises(ValueError, match="seed must fit in 64 bits"):
+        ParentRequest("big", near).make_child_requests(EngineCoreRequest("big", PROMPT_IDS, near, eos_token_id=0))
+
+
 def add_parent(proc, kind, **params):
     sp = SamplingParams(n=2, max_tokens=100, output_kind=kind, **params)
     parent = ParentRequest("req", sp)
