@@ -77,8 +77,8 @@ def parse_args() -> argparse.Namespace:
             p.error("--peer vllm needs --vllm-python (or $VLLM_PYTHON): the interpreter of a venv with vLLM")
         if not os.access(args.vllm_python, os.X_OK):
             p.error(f"--vllm-python {args.vllm_python!r} is not an executable")
-        if args.data_parallel_size > 1 or args.tensor_parallel_size > 1 or args.frontend != "llm":
-            p.error("--peer vllm compares one in-process engine; drop --data/tensor-parallel-size and --frontend")
+        if args.data_parallel_size > 1 or args.tensor_parallel_size > 1:
+            p.error("--peer vllm compares one engine on one rank; drop --data/tensor-parallel-size")
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
     return args
@@ -286,7 +286,8 @@ def run_vllm_comparison(args, path: str, work) -> None:
         ratios["vllm_busy_vs_quiet"] = median["vllm_busy_core"] / median["vllm"]
         ratios["ours_vs_vllm_busy_core"] = median["ours_busy_core"] / median["vllm_busy_core"]
     result = {
-        "benchmark": "offline_throughput", "peer": "vllm", "model": args.model, "model_path": path,
+        "benchmark": "offline_throughput", "peer": "vllm", "frontend": args.frontend, "model": args.model,
+        "model_path": path,
         "num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "temperature": args.temperature, "dtype": dtype, "repeats": args.repeats,
@@ -297,7 +298,8 @@ def run_vllm_comparison(args, path: str, work) -> None:
         "output_tok_per_s": median["ours"],
     }
     print(f"\nOffline throughput: {args.num_requests} requests, prompt {args.input_len}, output {args.output_len}, "
-          f"model {args.model}, cpu, {dtype}, vLLM {result['vllm']}; {args.repeats} run(s) each, alternating")
+          f"model {args.model}, cpu, {dtype}, ours through {args.frontend}, vLLM {result['vllm']}; "
+          f"{args.repeats} run(s) each, alternating")
     print(f"{'engine':<22}{'output tok/s (each run)':>40}{'median':>10}{'load before (1/5/15 min)':>28}")
     for name, rs in runs.items():
         each = " ".join(f"{r['output_tok_per_s']:.0f}" for r in rs)
