@@ -324,27 +324,36 @@ class PrometheusStatLogger(StatLoggerBase):
                 observe_all(e.time_to_first_token, it.time_to_first_tokens)
             if it.inter_token_latencies:
                 observe_all(e.inter_token_latency, it.inter_token_latencies)
-            for n in it.n_params:
-                e.request_params_n.observe(n)
-            for num_tokens in it.max_num_generation_tokens:
-                e.request_max_num_generation_tokens.observe(num_tokens)
-            for req in it.finished_requests:
-                success = e.request_success.get(req.finish_reason)
-                if success is None:  # not a FinishReason name: a series of its own, as before
-                    success = self.request_success.labels(self.model_name, str(engine_index), req.finish_reason)
-                success.inc()
-                e.e2e_request_latency.observe(req.e2e_latency)
-                e.request_queue_time.observe(req.queue_time)
-                e.request_prefill_time.observe(req.prefill_time)
-                e.request_inference_time.observe(req.inference_time)
-                e.request_decode_time.observe(req.decode_time)
-                e.request_time_per_output_token.observe(req.mean_time_per_output_token)
-                e.request_prompt_tokens.observe(req.num_prompt_tokens)
-                e.request_generation_tokens.observe(req.num_generation_tokens)
-                e.request_prefill_kv_computed_tokens.observe(req.num_prompt_tokens - req.num_cached_tokens)
-                e.request_num_preemptions.observe(req.num_preemptions)
-                if req.max_tokens:
-                    e.request_params_max_tokens.observe(req.max_tokens)
+            if it.n_params:
+                observe_all(e.request_params_n, it.n_params)
+            if it.max_num_generation_tokens:
+                observe_all(e.request_max_num_generation_tokens, it.max_num_generation_tokens)
+            if it.finished_requests:
+                self._record_finished(e, engine_index, it.finished_requests)
+
+    def _record_finished(self, e: SimpleNamespace, engine_index: int, finished: list) -> None:
+        """The per-request histograms and success counters of a step's finished requests, one
+        observe_all per histogram (a step of an RL batch finishes hundreds of requests whose token
+        counts are mostly equal) instead of eleven observe() calls per request."""
+        reasons = collections.Counter(req.finish_reason for req in finished)
+        for reason, count in reasons.items():
+            success = e.request_success.get(reason)
+            if success is None:  # not a FinishReason name: a series of its own, as before
+                success = self.request_success.labels(self.model_name, str(engine_index), reason)
+            success.inc(count)
+        observe_all(e.e2e_request_latency, [req.e2e_latency for req in finished])
+        observe_all(e.request_queue_time, [req.queue_time for req in finished])
+        observe_all(e.request_prefill_time, [req.prefill_time for req in finished])
+        observe_all(e.request_inference_time, [req.inference_time for req in finished])
+        observe_all(e.request_decode_time, [req.decode_time for req in finished])
+        observe_all(e.request_time_per_output_token, [req.mean_time_per_output_token for req in finished])
+        observe_all(e.request_prompt_tokens, [req.num_prompt_tokens for req in finished])
+        observe_all(e.request_generation_tokens, [req.num_generation_tokens for req in finished])
+        observe_all(e.request_prefill_kv_computed_tokens, [req.num_prompt_tokens - req.num_cached_tokens for req in finished])
+        observe_all(e.request_num_preemptions, [req.num_preemptions for req in finished])
+        max_tokens = [req.max_tokens for req in finished if req.max_tokens]
+        if max_tokens:
+            observe_all(e.request_params_max_tokens, max_tokens)
 
     def _set_weight_version(self, engine_index: int, version: str) -> None:
         """One series per engine, for its current version: the previous version's series goes."""

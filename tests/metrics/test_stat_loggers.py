@@ -173,3 +173,38 @@ def test_logging_logger_emits_one_line_per_interval(engine_config, caplog):
 def test_disable_log_stats_drops_the_log_line(engine_config):
     engine_config.observability.disable_log_stats = True
     assert StatLoggerManager(engine_config, "tiny").per_engine_loggers == {0: []}
+
+
+def test_finished_requests_of_a_step_are_each_observed(engine_config):
+    """A step finishing many requests (repeated token counts, distinct latencies, mixed reasons, some
+    without max_tokens) fills every per-request histogram as one observe() per request would."""
+    done = [
+        FinishedRequestStats(f"r{i}", ("length", "stop", "abort")[i % 3], 0.1 + i * 0.37, 4 + i % 2, 1 + i % 4,
+                             0.01 * i, 0.02, 0.003 * i, num_cached_tokens=i % 2, max_tokens=(None if i % 5 == 0 else 6))
+        for i in range(40)
+    ]
+    manager = StatLoggerManager(engine_config, "tiny")
+    manager.record(scheduler_stats(), IterationStats(0.0, 4, 2, [0.2], [0.05], done))
+    families = {f.name: f for f in text_string_to_metric_families(manager.prometheus_text().decode())}
+
+    def check(name, values):
+        samples = families["vllm:" + name].samples
+        buckets = [(float(s.labels["le"]), s.value) for s in samples if s.name.endswith("_bucket")]
+        assert buckets, name
+        for bound, cumulative in buckets:
+            assert cumulative == sum(v <= bound for v in values), (name, bound)
+        (total,) = [s.value for s in samples if s.name.endswith("_sum")]
+        assert total == pytest.approx(sum(values)), name
+
+    check("e2e_request_latency_seconds", [d.e2e_latency for d in done])
+    check("request_queue_time_seconds", [d.queue_time for d in done])
+    check("request_decode_time_seconds", [d.decode_time for d in done])
+    check("request_inference_time_seconds", [d.inference_time for d in done])
+    check("request_time_per_output_token_seconds", [d.mean_time_per_output_token for d in done])
+    check("request_prompt_tokens", [d.num_prompt_tokens for d in done])
+    check("request_generation_tokens", [d.num_generation_tokens for d in done])
+    check("request_prefill_kv_computed_tokens", [d.num_prompt_tokens - d.num_cached_tokens for d in done])
+    check("request_params_max_tokens", [d.max_tokens for d in done if d.max_tokens])
+    success = {s.labels["finished_reason"]: s.value for s in families["vllm:request_success"].samples
+               if s.name.endswith("_total")}  # fmt: skip
+    assert (success["length"], success["stop"], success["abort"]) == (14, 13, 13)
