@@ -45,6 +45,8 @@ class ModelConfig:
     """Never capture CUDA graphs: decode steps run eagerly too (GPU only; CPU is always eager)."""
     load_format: LoadFormat = "auto"
     """auto: read the checkpoint's *.safetensors; dummy: random weights of the config's shapes, nothing read (benchmarks, weight-sync targets)."""
+    enable_sleep_mode: bool = False
+    """CUDA, fixed addresses (CacheConfig.sleep_fixed_addresses): allocate sleep(1)'s pinned host copy of the weights at start-up (host memory the size of the weights, held for the engine's life), so the first sleep is as fast as every later one; off: the first sleep(1) allocates it (about 0.8 s for 0.6B, 7 s for 7B on an H200 host). sleep/wake_up work either way."""
     batch_invariant: bool = False
     """GPU: one fixed-tile GEMM for every linear layer and one attention tile shape for every row, so a token's logits do not depend on the other rows of its step (a request gives the same tokens alone, in any batch, and with or without speculative decoding, in bf16 too). Slower; engine/kernels/batch_invariant.py."""
 

@@ -16,10 +16,11 @@ Two ways to free the memory:
 - Fixed addresses (CUDA with VMM, CacheConfig.sleep_fixed_addresses): the weights live packed in one
   SleepableRegion and the KV cache in another (engine/worker/device_memory.py), placed there by
   pack_weights and allocate_kv_cache when the worker starts. Sleep copies the weight region to one
-  pinned host buffer (made at the first sleep(1), then reused) in a single copy and unmaps both
-  regions; wake_up maps them again at the same addresses and copies back. Tensors, Parameters and
-  the CUDA graphs that recorded their addresses stay valid: nothing is captured again, and the same
-  batch runs the same kernels on the same addresses as before the sleep.
+  pinned host buffer (made at start-up with ModelConfig.enable_sleep_mode, else at the first
+  sleep(1); then reused) in a single copy and unmaps both regions; wake_up maps them again at the
+  same addresses and copies back. Tensors, Parameters and the CUDA graphs that recorded their
+  addresses stay valid: nothing is captured again, and the same batch runs the same kernels on the
+  same addresses as before the sleep.
 - Otherwise (CPU, no VMM, or weights moved out of the region since, e.g. by elastic EP): each
   parameter's storage is swapped (`param.data`), the KV tensors dropped, the regions (if any) closed,
   and the CUDA graphs dropped at sleep and captured again once weights and KV cache are both back.
@@ -142,15 +143,24 @@ class WorkerSleeper:
         self.asleep = {"kv_cache"}
         self._release_device_memory()
 
+    def allocate_host_buffer(self) -> int:
+        """Fixed addresses: makes sure the pinned host buffer sleep(1) copies the weight region into exists
+        (pinning takes ~0.65 s/GB, so ModelConfig.enable_sleep_mode calls this at start-up); returns the
+        bytes to copy, 0 (nothing allocated) without a weight region."""
+        if self.worker.weight_region is None:
+            return 0
+        num_bytes = self._weight_bytes()
+        if self.host_buffer is None or self.host_buffer.numel() < num_bytes:
+            self.host_buffer = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+        return num_bytes
+
     @torch.no_grad()
     def _sleep_in_place(self, level: int) -> None:
         worker = self.worker
         worker.synchronize()  # nothing queued may still read the memory unmapped below
         weights = worker.weight_region
         if level == 1:
-            num_bytes = self._weight_bytes()
-            if self.host_buffer is None or self.host_buffer.numel() < num_bytes:
-                self.host_buffer = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+            num_bytes = self.allocate_host_buffer()
             self.host_buffer[:num_bytes].copy_(weights.tensor[:num_bytes], non_blocking=True)
         worker.kv_region.release()  # while the weights are copied out: the copy does not read it
         if level == 1:

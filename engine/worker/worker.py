@@ -118,6 +118,8 @@ class Worker:
         # Sleep mode on CUDA keeps the weights, and then the KV cache, at fixed addresses (engine/worker/sleep.py),
         # so that sleep/wake_up keep the CUDA graphs: packed before anything records a weight's address.
         self.weight_region = pack_weights(self.model, self.device, config.cache.sleep_fixed_addresses)
+        if config.model.enable_sleep_mode:
+            self.sleeper.allocate_host_buffer()  # sleep(1)'s pinned copy, off the first sleep's path
         self.kv_region = None
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.model_runner = ModelRunner(
