@@ -57,7 +57,7 @@ def main() -> None:
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     path = shape_checkpoint(args.shape)
     engine = RolloutWorker(model=path, multiprocess=True, device="cuda", max_model_len=2048, max_num_seqs=args.num_prompts,
-                           gpu_memory_utilization=args.gpu_memory_utilization)
+                           gpu_memory_utilization=args.gpu_memory_utilization, enable_sleep_mode=True)
     rows = []
     try:
         policy = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.bfloat16).cuda()

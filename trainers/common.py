@@ -72,6 +72,8 @@ def start_worker(model: ModelConfig, rollout: RolloutConfig):
         "seed": rollout.seed,
         "logprobs_mode": "processed_logprobs",  # after temperature, as the trainer recomputes them
     }
+    if rollout.colocate:
+        worker_args["enable_sleep_mode"] = True  # it sleeps every step: its pinned host copy is made once, at start-up
     if rollout.gpu_memory_utilization is not None:
         worker_args["gpu_memory_utilization"] = rollout.gpu_memory_utilization
     if rollout.engine == "ray":
