@@ -67,14 +67,22 @@ def test_sleep_frees_device_memory_and_wake_up_serves_the_same_tokens(core, leve
     addresses = [p.data_ptr() for p in worker.model.parameters()] + [l.kv_cache.data_ptr() for l in worker.attn_layers]
     expected_drop = _weights_and_kv_bytes(core)
     torch.cuda.synchronize()
-    free_before = torch.cuda.mem_get_info()[0]
+    free_before, allocated_before = torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated()
 
     core.sleep(level)
     gc.collect()
     dropped = torch.cuda.mem_get_info()[0] - free_before  # what the device got back (regions and allocator alike)
-    print(f"sleep({level}, fixed addresses {fixed}): freed {dropped / 2**20:.1f} MiB "
-          f"of weights+KV {expected_drop / 2**20:.1f} MiB ({100 * dropped / expected_drop:.1f}%)")
-    assert dropped >= 0.95 * expected_drop, f"freed {dropped} of {expected_drop} bytes"
+    released = allocated_before - torch.cuda.memory_allocated()  # what the engine's tensors let go of
+    print(f"sleep({level}, fixed addresses {fixed}): device got back {dropped / 2**20:.1f} MiB, the allocator's "
+          f"tensors {released / 2**20:.1f} MiB, of weights+KV {expected_drop / 2**20:.1f} MiB")
+    if fixed:  # the regions are unmapped whatever else the process's caching allocator holds
+        assert dropped >= 0.95 * expected_drop, f"freed {dropped} of {expected_drop} bytes"
+    else:
+        # Through the caching allocator the device gets a segment back only once all of it is free: in a
+        # process that ran other CUDA work first (this tier, run whole) the engine's tensors can share
+        # segments with live ones (cuBLAS workspaces, kernel caches), so only the release is asserted here;
+        # benchmarks/sleep_wake.py --allocator measures the device side in a process of its own.
+        assert released >= 0.95 * expected_drop, f"released {released} of {expected_drop} bytes"
 
     if level == 2:  # the RL order: weights, weight update, then the KV cache
         core.wake_up(["weights"])
@@ -97,3 +105,26 @@ def test_sleep_frees_device_memory_and_wake_up_serves_the_same_tokens(core, leve
     else:  # captured again
         assert worker.model_runner.cuda_graphs is not None and worker.model_runner.cuda_graphs is not graphs
     assert _greedy(core, "after") == before
+
+
+def test_enable_sleep_mode_makes_the_pinned_host_copy_at_start_up(tiny_checkpoint):
+    """enable_sleep_mode: sleep(1) copies into the buffer made at start-up (the first sleep allocates nothing)."""
+    core = EngineCore(create_engine_config(
+        model=tiny_checkpoint("llama"), max_model_len=256, device="cuda", kv_cache_memory_bytes=1 << 28, max_num_seqs=8,
+        enable_sleep_mode=True,
+    ))
+    try:
+        sleeper = core.executor.worker.sleeper
+        buffer = sleeper.host_buffer
+        assert buffer is not None and buffer.is_pinned()
+        assert buffer.numel() >= sum(p.numel() * p.element_size() for p in core.executor.worker.model.parameters())
+        before = _greedy(core, "before")
+        core.sleep(1)
+        assert sleeper.host_buffer is buffer
+        core.wake_up()
+        assert _greedy(core, "after") == before
+    finally:
+        core.shutdown()
+        del core
+        gc.collect()
+        torch.cuda.empty_cache()
