@@ -125,12 +125,16 @@ def bench_shape(shape: str, args, h2d: float, d2h: float) -> list[dict]:
     torch.cuda.init()
     torch.cuda.empty_cache()  # what an earlier shape left cached is not this engine's
     used_before_engine = device_used()
+    start = time.perf_counter()
     core = EngineCore(create_engine_config(
         model=path, max_model_len=1024, device="cuda", max_num_seqs=max(args.batch_sizes),
         gpu_memory_utilization=args.gpu_memory_utilization, sleep_fixed_addresses=not args.allocator,
+        enable_sleep_mode=not args.lazy_host_buffer,
     ))
+    engine_start_s = time.perf_counter() - start  # with enable_sleep_mode, the pinned host copy is made in here
     worker = core.executor.worker
     weights = weight_bytes(worker.model)
+    print(f"{shape:>13} engine start {engine_start_s:.2f} s (pinned host copy made at start-up: {not args.lazy_host_buffer})", flush=True)
     floor_s = {1: weights / d2h, 2: 0.0}, {1: weights / h2d, 2: 0.0}  # (sleep, wake_up)
     # The checkpoint's tensors on the device, pushed after each level-2 wake-up as a trainer's would be.
     # They are this script's (the trainer's), not the engine's: the memory accounting leaves them out.
@@ -169,6 +173,7 @@ def bench_shape(shape: str, args, h2d: float, d2h: float) -> list[dict]:
                 identical={str(n): f"{outputs[n]}/{n}" for n in batches},
                 repeated_without_sleep={str(n): f"{repeat_same[n]}/{n}" for n in batches},
                 weights_bytes=weights, fixed_addresses=worker.weight_region is not None,
+                engine_start_s=engine_start_s, host_buffer_at_start=not args.lazy_host_buffer,
             ))
             r = rows[-1]
             print(f"{shape:>13} L{level} #{cycle}  sleep {1e3 * sleep_s:8.1f} ms (floor {1e3 * r['sleep_floor_s']:6.1f})"
@@ -193,6 +198,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[8, 64])
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="weights + KV cache share")
     parser.add_argument("--allocator", action="store_true", help="sleep_fixed_addresses off (the old way), as the peer")
+    parser.add_argument("--lazy-host-buffer", action="store_true",
+                        help="enable_sleep_mode off: the first sleep(1) allocates the pinned host copy")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
