@@ -31,6 +31,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shape", default=None, help="GPU: random-weight model of a published shape "
                    "(qwen3-0.6b, qwen2.5-7b), built under /tmp; overrides --model")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0: off); with --temperature > 0")
     p.add_argument("--hf-num-requests", type=int, default=None,
                    help="run HF generate() on only the first N requests (it is slow on long outputs)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -100,7 +101,8 @@ def run_engine(args, path: str, work) -> dict:
     llm.reset_prefix_cache()  # the warm-up prompts must not give the timed run cache hits
 
     prompts = [{"prompt_token_ids": p} for p, _ in work]
-    params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True) for _, n in work]
+    params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=n, ignore_eos=True)
+              for _, n in work]
     _sync(llm.config.device.resolve())
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -140,8 +142,8 @@ def run_group(args, path: str, work) -> dict:
         return len(final.outputs[0].token_ids)
 
     async def run_all(batch) -> int:
-        counts = await asyncio.gather(*(one(p, SamplingParams(temperature=args.temperature, max_tokens=n,
-                                                                 ignore_eos=True)) for p, n in batch))
+        counts = await asyncio.gather(*(one(p, SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                                                 max_tokens=n, ignore_eos=True)) for p, n in batch))
         return sum(counts)
 
     async def main() -> tuple[int, float]:
@@ -176,7 +178,7 @@ def run_hf(args, path: str, work, device: str, dtype: torch.dtype) -> dict:
         for i, (p, _) in enumerate(batch):  # left padding, as HF decoder-only generation wants
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
-        sample = dict(do_sample=True, temperature=args.temperature, top_k=0) if args.temperature else dict(do_sample=False)
+        sample = dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=args.top_p) if args.temperature else dict(do_sample=False)
         with torch.no_grad():
             model.generate(ids.to(device), attention_mask=mask.to(device), pad_token_id=0,
                            max_new_tokens=max(n for _, n in batch), **sample)
@@ -201,7 +203,7 @@ def run_vllm(args, path: str, work, dtype: str) -> dict:
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.input_len[1] + args.output_len[1],
             "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
-            "seed": args.seed, "temperature": args.temperature, "requests": work}
+            "seed": args.seed, "temperature": args.temperature, "top_p": args.top_p, "requests": work}
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
     with tempfile.TemporaryDirectory() as tmp:
         in_path, out_path = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
@@ -290,7 +292,7 @@ def run_vllm_comparison(args, path: str, work) -> None:
         "model_path": path,
         "num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "temperature": args.temperature, "dtype": dtype, "repeats": args.repeats,
+        "temperature": args.temperature, "top_p": args.top_p, "dtype": dtype, "repeats": args.repeats,
         "busy_core_cpu": args.busy_core_cpu if args.busy_core else None,
         "machine": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(), "vllm": runs["vllm"][0]["vllm"],
@@ -351,6 +353,7 @@ def main() -> None:
         "output_len": args.output_len,
         "max_num_seqs": args.max_num_seqs,
         "temperature": args.temperature,
+        "top_p": args.top_p,
         "attention_order": args.attention_order,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "machine": platform.node(),

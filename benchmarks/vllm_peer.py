@@ -34,7 +34,7 @@ def main(in_path: str, out_path: str) -> None:
     work = spec["requests"]  # [[prompt ids, max_tokens], ...]
 
     def params(n: int) -> SamplingParams:
-        return SamplingParams(temperature=spec["temperature"], max_tokens=n, ignore_eos=True)
+        return SamplingParams(temperature=spec["temperature"], top_p=spec.get("top_p", 1.0), max_tokens=n, ignore_eos=True)
 
     warm = work[:4]
     llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in warm], [params(8)] * len(warm), use_tqdm=False)
