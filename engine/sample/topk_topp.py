@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels import use_triton
+
 _NEG_INF = float("-inf")
 # Top-p without top-k first looks at this many candidates per row; rows whose nucleus is
 # wider are sorted (see _top_p_threshold).
@@ -51,12 +53,15 @@ def apply_top_k_top_p(
         p (tokens tied with that boundary token are all kept). With top-k on, the mass is
         summed over the same top-k candidates; otherwise over the row's top 1024 values,
         and a sort of only the rows whose nucleus is wider.
-    Rows with both features off are returned bit-identical. Top-k alone syncs with the device
-    only without max_top_k; top-p costs a few host syncs per call (which rows its candidates
-    settle).
+    Rows with both features off are returned bit-identical. On CPU, top-k alone syncs with the
+    device only without max_top_k and top-p costs a few host syncs per call (which rows its
+    candidates settle); on the GPU the same thresholds come from top_k_top_p_threshold, which
+    never syncs when max_top_k is given.
     """
     if top_k is None and top_p is None:
         return logits
+    if top_p is not None and use_triton(logits) and logits.stride(-1) == 1:
+        return logits.masked_fill_(logits < top_k_top_p_threshold(logits, top_k, top_p, max_top_k), _NEG_INF)
     num_rows, vocab_size = logits.shape
     k = p = None
     if top_k is not None:
@@ -101,6 +106,32 @@ def apply_top_k_top_p(
         else:
             threshold[rows] = torch.maximum(sub_threshold, p_threshold)
     return logits.masked_fill_(logits < threshold, _NEG_INF)
+
+
+def top_k_top_p_threshold(
+    logits: torch.Tensor,  # [B, V] on the GPU, any float dtype
+    top_k: torch.Tensor | None,  # [B] int64; <= 0 or >= V = off
+    top_p: torch.Tensor,  # [B] float32; >= 1.0 = off
+    max_top_k: int | None = None,
+    temperature: torch.Tensor | None = None,  # [B] float32 > 0: the logits are unscaled (greedy rows pass 1)
+) -> torch.Tensor:  # [B, 1] float32
+    """GPU: the value each row keeps tokens at or above under top-k then top-p (apply_top_k_top_p's rule),
+    from one partial topk (top-k) and the sort-free pivot search of engine/kernels/top_p.py; no host sync
+    when max_top_k is given. With temperature, the nucleus is that of softmax(logits / T)."""
+    from engine.kernels.top_p import top_p_threshold_triton
+
+    lower = None
+    if top_k is not None:
+        vocab_size = logits.shape[1]
+        k = top_k.to(device=logits.device, dtype=torch.int64)
+        k = torch.where((k <= 0) | (k >= vocab_size), 0, k)  # 0 = off
+        if max_top_k is None:
+            max_top_k = int(k.max())
+        if max_top_k > 0:
+            cand = logits.topk(min(vocab_size, max_top_k), dim=-1, sorted=True).values  # [B, K], descending
+            kth = cand.gather(1, (k - 1).clamp(0, cand.shape[1] - 1).unsqueeze(1))  # [B, 1]
+            lower = kth.to(torch.float32).masked_fill_((k == 0).unsqueeze(1), _NEG_INF).squeeze(1)
+    return top_p_threshold_triton(logits, top_p, lower, temperature)
 
 
 def _nucleus_threshold(cand: torch.Tensor, lse: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
