@@ -204,10 +204,12 @@ if triton is not None:
         logits_ptr,  # [B, V] any float dtype, unit stride along V
         keys_ptr,  # [B] int64; < 0 means greedy
         temp_ptr,  # [B] float32, read only when HAS_TEMPERATURE
+        thr_ptr,  # [B] float32, read only when HAS_THRESHOLD: tokens below it are out (top-k / top-p)
         stride_row,
         V,
         num_chunks,
         HAS_TEMPERATURE: tl.constexpr,
+        HAS_THRESHOLD: tl.constexpr,
         TILES: tl.constexpr,  # BLOCK-sized tiles per chunk
         BLOCK: tl.constexpr,
     ):
@@ -226,6 +228,8 @@ if triton is not None:
             # div.rn's per-element slow-path branch. Greedy rows multiply by 1 (exact).
             inv_temp = 1.0 / tl.load(temp_ptr + row).to(tl.float64)  # div.rn.f64: correctly rounded
             inv_temp = tl.where(greedy, 1.0, inv_temp)
+        if HAS_THRESHOLD:
+            threshold = tl.load(thr_ptr + row)
         best_val = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
         best_idx = tl.zeros([BLOCK], dtype=tl.int32)
         base = logits_ptr + row.to(tl.int64) * stride_row
@@ -233,6 +237,8 @@ if triton is not None:
         for t in range(TILES):
             v = (chunk * TILES + t) * BLOCK + tl.arange(0, BLOCK)
             x = tl.load(base + v, mask=v < V, other=float("-inf")).to(tl.float32)
+            if HAS_THRESHOLD:
+                x = tl.where(x >= threshold, x, float("-inf"))  # compared unscaled, as the threshold was found
             if HAS_TEMPERATURE:
                 x = (x.to(tl.float64) * inv_temp).to(tl.float32)
             h = v.to(tl.uint32) * 0x9E3779B1 ^ k0
@@ -267,12 +273,13 @@ def gumbel_sample_triton(
     logits: torch.Tensor,
     keys: torch.Tensor,
     temperature: torch.Tensor | None = None,
+    threshold: torch.Tensor | None = None,
     *,
     tiles_per_chunk: int | None = None,
 ) -> torch.Tensor:
     """The Triton path of gumbel_sample; tiles_per_chunk overrides the chunking heuristic (tests, tuning)."""
     if logits.stride(-1) != 1:
-        return gumbel_sample_ref(logits, keys, temperature)
+        return gumbel_sample_ref(_below_threshold_out(logits, threshold), keys, temperature)
     num_rows, vocab_size = logits.shape
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
@@ -284,16 +291,19 @@ def gumbel_sample_triton(
     vals = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)  # [B, C]
     idxs = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)  # [B, C]
     temp = keys if temperature is None else temperature.to(device=logits.device, dtype=torch.float32)  # [B]
+    thr = keys if threshold is None else threshold.to(device=logits.device, dtype=torch.float32).reshape(num_rows)
     _gumbel_partial_kernel[(num_rows, num_chunks)](
         vals,
         idxs,
         logits,
         keys,
         temp,
+        thr,
         logits.stride(0),
         vocab_size,
         num_chunks,
         HAS_TEMPERATURE=temperature is not None,
+        HAS_THRESHOLD=threshold is not None,
         TILES=tiles,
         BLOCK=_BLOCK,
         num_warps=4,
@@ -303,8 +313,20 @@ def gumbel_sample_triton(
     return out
 
 
-def gumbel_sample(logits: torch.Tensor, keys: torch.Tensor, temperature: torch.Tensor | None = None) -> torch.Tensor:
+def _below_threshold_out(logits: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
+    """A copy of logits with every token below its row's threshold ([B] or [B, 1]) at -inf; logits itself without one."""
+    if threshold is None:
+        return logits
+    return logits.masked_fill(logits < threshold.reshape(-1, 1).to(logits.device), float("-inf"))
+
+
+def gumbel_sample(
+    logits: torch.Tensor,
+    keys: torch.Tensor,
+    temperature: torch.Tensor | None = None,
+    threshold: torch.Tensor | None = None,  # [B] or [B, 1], in logits' (unscaled) values: tokens below it are out
+) -> torch.Tensor:
     """One token per row; Triton on GPU, the reference on CPU."""
     if use_triton(logits):
-        return gumbel_sample_triton(logits, keys, temperature)
-    return gumbel_sample_ref(logits, keys, temperature)
+        return gumbel_sample_triton(logits, keys, temperature, threshold)
+    return gumbel_sample_ref(_below_threshold_out(logits, threshold), keys, temperature)
