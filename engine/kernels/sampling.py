@@ -205,16 +205,21 @@ if triton is not None:
         keys_ptr,  # [B] int64; < 0 means greedy
         temp_ptr,  # [B] float32, read only when HAS_TEMPERATURE
         thr_ptr,  # [B] float32, read only when HAS_THRESHOLD: tokens below it are out (top-k / top-p)
+        done_ptr,  # [B] int32, read only when HAS_DONE: rows != 0 are skipped (their token already stands)
         stride_row,
         V,
         num_chunks,
         HAS_TEMPERATURE: tl.constexpr,
         HAS_THRESHOLD: tl.constexpr,
+        HAS_DONE: tl.constexpr,
         TILES: tl.constexpr,  # BLOCK-sized tiles per chunk
         BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0)
         chunk = tl.program_id(1)
+        if HAS_DONE:
+            if tl.load(done_ptr + row) != 0:
+                return
         key = tl.load(keys_ptr + row)
         greedy = key < 0
         key = tl.maximum(key, 0)
@@ -257,8 +262,12 @@ if triton is not None:
         tl.store(idx_ptr + row * num_chunks + chunk, idx)
 
     @triton.jit(do_not_specialize=["num_chunks"])
-    def _argmax_partials_kernel(out_ptr, val_ptr, idx_ptr, num_chunks, V, CHUNKS: tl.constexpr):
+    def _argmax_partials_kernel(out_ptr, val_ptr, idx_ptr, done_ptr, num_chunks, V, CHUNKS: tl.constexpr,
+                                HAS_DONE: tl.constexpr):
         row = tl.program_id(0)
+        if HAS_DONE:
+            if tl.load(done_ptr + row) != 0:
+                return
         c = tl.arange(0, CHUNKS)
         mask = c < num_chunks
         vals = tl.load(val_ptr + row * num_chunks + c, mask=mask, other=float("-inf"))
@@ -276,12 +285,19 @@ def gumbel_sample_triton(
     threshold: torch.Tensor | None = None,
     *,
     tiles_per_chunk: int | None = None,
+    done: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The Triton path of gumbel_sample; tiles_per_chunk overrides the chunking heuristic (tests, tuning)."""
+    """The Triton path of gumbel_sample; tiles_per_chunk overrides the chunking heuristic (tests, tuning).
+
+    With done ([B] int32) and out ([B] int64), rows with done != 0 are skipped and keep their token in out."""
+    assert (done is None) == (out is None)
     if logits.stride(-1) != 1:
+        assert done is None
         return gumbel_sample_ref(_below_threshold_out(logits, threshold), keys, temperature)
     num_rows, vocab_size = logits.shape
-    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
         return out
     num_tiles = cdiv(vocab_size, _BLOCK)
@@ -299,17 +315,20 @@ def gumbel_sample_triton(
         keys,
         temp,
         thr,
+        keys if done is None else done,
         logits.stride(0),
         vocab_size,
         num_chunks,
         HAS_TEMPERATURE=temperature is not None,
         HAS_THRESHOLD=threshold is not None,
+        HAS_DONE=done is not None,
         TILES=tiles,
         BLOCK=_BLOCK,
         num_warps=4,
     )
     # CHUNKS depends on the vocabulary only, so the reduce kernel compiles once per model.
-    _argmax_partials_kernel[(num_rows,)](out, vals, idxs, num_chunks, vocab_size, CHUNKS=next_power_of_2(num_tiles))
+    _argmax_partials_kernel[(num_rows,)](out, vals, idxs, keys if done is None else done, num_chunks, vocab_size,
+                                         CHUNKS=next_power_of_2(num_tiles), HAS_DONE=done is not None)
     return out
 
 
