@@ -8,12 +8,13 @@ import torch
 
 from engine.kernels import use_triton
 from engine.kernels.sampling import gumbel_sample
+from engine.kernels.top_p import top_p_sample_triton
 from engine.sample.logits_processors import apply_allowed_token_ids, apply_bad_words, apply_logit_bias, apply_min_tokens
 from engine.sample.logprobs import LogprobsTensors, gather_logprobs
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.penalties import apply_penalties
 from engine.sample.random_sampling import sampling_keys
-from engine.sample.topk_topp import apply_min_p, apply_temperature, apply_top_k_top_p, top_k_top_p_threshold
+from engine.sample.topk_topp import apply_min_p, apply_temperature, apply_top_k_top_p, top_k_lower
 
 # Same threshold as SamplingParams.greedy, so a near-zero temperature never divides logits.
 _GREEDY_EPS = 1e-5
@@ -89,18 +90,20 @@ class Sampler:
             return SamplerOutput(sampled_token_ids=gumbel_sample(logits, keys, temperature), logprobs=None)
         if (not md.all_greedy and not wants_logprobs and not edits and md.min_p is None and md.top_p is not None
                 and use_triton(logits) and logits.stride(-1) == 1):
-            # GPU fast path with top-p (and top-k): each row's threshold found on the caller's logits (unscaled,
-            # the nucleus of logits / T), then one sampling pass that drops what lies below it. The same tokens
-            # as the path below, without a float32 copy or a host sync.
+            # GPU fast path with top-p (and top-k): draw over the top-k set, keep the draw when it lies in the
+            # nucleus (one count), else draw again above it; only rows still undecided after that search for
+            # their boundary (engine/kernels/top_p.py). The same tokens as the path below, on the caller's
+            # logits, without a float32 copy or a host sync.
             top_k, top_p = md.top_k, md.top_p.to(logits.device)
-            temp = temperature
+            nucleus_temp = temperature
             if greedy_mask is not None:
                 top_k = None if top_k is None else top_k.to(logits.device).masked_fill(greedy_mask, 0)
                 top_p = top_p.masked_fill(greedy_mask, 1.0)
-                temp = temperature.masked_fill(greedy_mask, 1.0)  # never divides: greedy rows keep every token
-            threshold = top_k_top_p_threshold(logits, top_k, top_p, md.max_top_k, temp)  # [B, 1]
+                nucleus_temp = temperature.masked_fill(greedy_mask, 1.0)  # never divides: greedy rows keep every token
+            lower = top_k_lower(logits, top_k, md.max_top_k)
             keys = self._keys(md, logits.shape[0], greedy_mask, logits.device)  # [B]
-            return SamplerOutput(sampled_token_ids=gumbel_sample(logits, keys, temperature, threshold), logprobs=None)
+            tokens = top_p_sample_triton(logits, keys, top_p, lower, temperature, nucleus_temp)
+            return SamplerOutput(sampled_token_ids=tokens, logprobs=None)
 
         scaled = False
         if md.all_greedy or edits or (wants_logprobs and md.logprobs_mode.startswith("raw")):

@@ -108,6 +108,23 @@ def apply_top_k_top_p(
     return logits.masked_fill_(logits < threshold, _NEG_INF)
 
 
+def top_k_lower(logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int | None = None) -> torch.Tensor | None:
+    """GPU: each row's k-th largest value ([B] float32, -inf where top-k is off), from one partial topk; None when
+    no row has top-k. No host sync when max_top_k is given."""
+    if top_k is None:
+        return None
+    vocab_size = logits.shape[1]
+    k = top_k.to(device=logits.device, dtype=torch.int64)
+    k = torch.where((k <= 0) | (k >= vocab_size), 0, k)  # 0 = off
+    if max_top_k is None:
+        max_top_k = int(k.max())
+    if max_top_k <= 0:
+        return None
+    cand = logits.topk(min(vocab_size, max_top_k), dim=-1, sorted=True).values  # [B, K], descending
+    kth = cand.gather(1, (k - 1).clamp(0, cand.shape[1] - 1).unsqueeze(1))  # [B, 1]
+    return kth.to(torch.float32).masked_fill_((k == 0).unsqueeze(1), _NEG_INF).squeeze(1)
+
+
 def top_k_top_p_threshold(
     logits: torch.Tensor,  # [B, V] on the GPU, any float dtype
     top_k: torch.Tensor | None,  # [B] int64; <= 0 or >= V = off
@@ -116,22 +133,11 @@ def top_k_top_p_threshold(
     temperature: torch.Tensor | None = None,  # [B] float32 > 0: the logits are unscaled (greedy rows pass 1)
 ) -> torch.Tensor:  # [B, 1] float32
     """GPU: the value each row keeps tokens at or above under top-k then top-p (apply_top_k_top_p's rule),
-    from one partial topk (top-k) and the sort-free pivot search of engine/kernels/top_p.py; no host sync
-    when max_top_k is given. With temperature, the nucleus is that of softmax(logits / T)."""
+    from top_k_lower and the sort-free pivot search of engine/kernels/top_p.py; no host sync when max_top_k
+    is given. With temperature, the nucleus is that of softmax(logits / T)."""
     from engine.kernels.top_p import top_p_threshold_triton
 
-    lower = None
-    if top_k is not None:
-        vocab_size = logits.shape[1]
-        k = top_k.to(device=logits.device, dtype=torch.int64)
-        k = torch.where((k <= 0) | (k >= vocab_size), 0, k)  # 0 = off
-        if max_top_k is None:
-            max_top_k = int(k.max())
-        if max_top_k > 0:
-            cand = logits.topk(min(vocab_size, max_top_k), dim=-1, sorted=True).values  # [B, K], descending
-            kth = cand.gather(1, (k - 1).clamp(0, cand.shape[1] - 1).unsqueeze(1))  # [B, 1]
-            lower = kth.to(torch.float32).masked_fill_((k == 0).unsqueeze(1), _NEG_INF).squeeze(1)
-    return top_p_threshold_triton(logits, top_p, lower, temperature)
+    return top_p_threshold_triton(logits, top_p, top_k_lower(logits, top_k, max_top_k), temperature)
 
 
 def _nucleus_threshold(cand: torch.Tensor, lse: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.top_p import top_p_threshold_triton
+from engine.kernels.sampling import gumbel_sample_triton
+from engine.kernels.top_p import top_p_sample_triton, top_p_threshold_triton
+from engine.sample.random_sampling import mix_seed
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -87,6 +89,32 @@ def test_a_row_alone_gets_its_in_batch_threshold():
         assert torch.equal(top_p_threshold_triton(logits[r : r + 1], p[r : r + 1]), batch[r : r + 1])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rounds", [0, 1, 2, 3])
+def test_sampling_takes_the_token_of_the_search_then_one_draw(dtype, rounds):
+    """Accepting a draw by one count, drawing again above it, and searching only for the rows left decide
+    exactly as the full search does; rounds = 0 searches every row, small p makes many rows redraw."""
+    gen = torch.Generator().manual_seed(5 + rounds)
+    rows, vocab = 32, 151936
+    logits = (torch.randn(rows, vocab, generator=gen) * torch.linspace(0.3, 5, rows)[:, None]).to(dtype)
+    logits[7, 10:] = float("-inf")
+    logits[9] = float("-inf")  # nothing finite: index 0, as the plain draw gives
+    logits[11, : vocab // 3] = logits[11, 0]  # a long tie
+    logits = logits.to(DEV)
+    p = torch.tensor([0.9, 0.3, 0.1, 0.99, 1.0, 0.6, 0.05, 0.8] * 4, device=DEV)
+    temperature = (torch.rand(rows, generator=gen) + 0.3).to(DEV)
+    kth = logits.float().topk(50, dim=-1).values[:, -1]
+    lower = torch.where(torch.arange(rows, device=DEV) % 3 == 0, kth, float("-inf"))
+    thr = top_p_threshold_triton(logits, p, lower, temperature)
+    redrawn = 0
+    for seed in range(8):
+        keys = torch.tensor([mix_seed(seed, r) for r in range(rows)], device=DEV)
+        got = top_p_sample_triton(logits, keys, p, lower, temperature, temperature, rounds=rounds)
+        assert torch.equal(got, gumbel_sample_triton(logits, keys, temperature, thr))
+        redrawn += int((gumbel_sample_triton(logits, keys, temperature, lower) != got).sum())
+    assert redrawn > 0  # some first draws fell outside their nucleus: the redraw and the search were exercised
+
+
 def _metadata(num_rows, temperature, top_k, top_p, min_p, max_top_k):
     from engine.sample import SamplingMetadata, make_generator
 
@@ -115,6 +143,8 @@ def test_sampler_top_p_fast_path_equals_the_general_path_and_thresholds_never_sy
     try:
         top_k_top_p_threshold(logits, top_k, top_p, 40, torch.where(temperature == 0, 1.0, temperature))
         apply_top_k_top_p(logits.float(), top_k, top_p, 40)
+        top_p_sample_triton(logits, torch.arange(num_rows, device=DEV), top_p, None, temperature.clamp_min(0.1),
+                            temperature.clamp_min(0.1))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     fast = Sampler()(logits, _metadata(num_rows, temperature, top_k, top_p, None, 40)).sampled_token_ids
