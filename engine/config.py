@@ -84,6 +84,10 @@ class ModelConfig:
             return json.load(f)
 
 
+# kv_cache_dtype values and the cache element type they give (None: the model's dtype).
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+
+
 @dataclass
 class CacheConfig:
     """Paged KV cache layout and size."""
@@ -98,6 +102,8 @@ class CacheConfig:
     """Bytes to give the KV cache (overrides gpu_memory_utilization and the CPU default)."""
     gpu_memory_utilization: float = 0.9
     """This engine's share of the GPU (per engine, as in vLLM: two engines at 0.4 fit one GPU): its weights and its KV cache, which gets the share less the weights and must fit in the memory free at start-up (an error names who holds the rest). Activations and CUDA graphs use memory beyond the share."""
+    kv_cache_dtype: str = "auto"
+    """The KV cache's element type: `auto` (the model's dtype) or `fp8` / `fp8_e4m3` (float8 e4m3, half the bytes of bf16: twice the blocks; keys and values are divided by their layer's per-tensor k_scale / v_scale, 1.0 unless set, and saturate at +-448)."""
     sleep_fixed_addresses: bool = True
     """CUDA: keep the weights and the KV cache at fixed device addresses (CUDA virtual memory management, engine/worker/device_memory.py), so that sleep gives their memory back and wake_up maps it again with every CUDA graph still valid; off (or without cuda-bindings): sleep frees through the caching allocator and wake_up captures the graphs again."""
 
@@ -110,6 +116,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass

@@ -74,6 +74,10 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         # [2, num_blocks, block_size, num_kv_heads, head_size]; set by the worker after allocation.
         self.kv_cache: torch.Tensor | None = None
+        # Per-tensor scales of an fp8 KV cache (stored = value / scale); 1.0, vLLM's default without
+        # checkpoint scales. Unused when the cache has the model's dtype.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -88,8 +92,8 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_size)
         k = k.view(num_tokens, self.num_kv_heads, self.head_size)
         v = v.view(num_tokens, self.num_kv_heads, self.head_size)
-        _backend.write_kv_cache(k, v, self.kv_cache, metadata.slot_mapping)
-        out = _backend.paged_attention(q, self.kv_cache, metadata, self.scale)
+        _backend.write_kv_cache(k, v, self.kv_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
+        out = _backend.paged_attention(q, self.kv_cache, metadata, self.scale, self.k_scale, self.v_scale)
         return out.view(num_tokens, self.num_heads * self.head_size)
 
     def extra_repr(self) -> str:

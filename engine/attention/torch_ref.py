@@ -15,6 +15,8 @@ def write_kv_cache(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping: torch.Tensor,  # [num_slots] int64; num_slots <= num_tokens, slot < 0 means "skip"
+    k_scale: float = 1.0,  # fp8 caches: stored = key / k_scale (see to_cache_dtype)
+    v_scale: float = 1.0,
 ) -> None:
     """Stores each token's key and value at its slot (slot = block_id * block_size + offset)."""
     num_slots = slot_mapping.shape[0]
@@ -24,8 +26,25 @@ def write_kv_cache(
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
-    flat_cache[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat_cache[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    if is_fp8(kv_cache.dtype):  # index ops on float8 are CPU-incomplete: copy the bytes
+        flat_cache = flat_cache.view(torch.uint8)
+        key, value = to_cache_dtype(key, kv_cache.dtype, k_scale), to_cache_dtype(value, kv_cache.dtype, v_scale)
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
+    flat_cache[0].index_copy_(0, slot_mapping, key.to(flat_cache.dtype))
+    flat_cache[1].index_copy_(0, slot_mapping, value.to(flat_cache.dtype))
+
+
+FP8_MAX = 448.0  # float8 e4m3fn's largest finite value
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype == torch.float8_e4m3fn
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x as an fp8 cache stores it: x * float32(1 / scale) (as the GPU kernel computes it), saturated at +-448,
+    rounded to nearest even."""
+    return (x.to(torch.float32) * (1.0 / scale)).clamp_(-FP8_MAX, FP8_MAX).to(dtype)
 
 
 # Decode rows are sorted by context length and padded per group of this many rows, so a
@@ -104,6 +123,8 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
     metadata: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,  # fp8 caches: key = stored * k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
     """Causal attention of every request's new tokens over its cached context, for a mixed batch.
 
@@ -115,29 +136,47 @@ def paged_attention(
     if plan is None:
         plan = metadata.backend_plan = _make_plan(metadata, kv_cache.shape[2], query.device)
     output = torch.zeros_like(query)
+    cache = _Cache(kv_cache, query.dtype, k_scale, v_scale)
     for tokens, block_ids, mask in plan.decode_groups:
-        output[tokens] = _decode_attention(query[tokens], kv_cache, block_ids, mask, scale)
+        output[tokens] = _decode_attention(query[tokens], cache, block_ids, mask, scale)
     for group in plan.prefill_groups:
         tokens = group.tokens.reshape(-1)
-        output[tokens] = _prefill_attention(query[tokens].view(*group.tokens.shape, *query.shape[1:]), kv_cache, group,
+        output[tokens] = _prefill_attention(query[tokens].view(*group.tokens.shape, *query.shape[1:]), cache, group,
                                             scale).flatten(0, 1)
     return output
 
 
-def _gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (keys, values), each [*block_ids.shape[:-1], num_blocks * block_size, Hkv, D]."""
+@dataclass
+class _Cache:
+    """The paged KV tensor and how to read it: its values in the query's dtype (fp8: times the scales)."""
+
+    kv: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    dtype: torch.dtype
+    k_scale: float
+    v_scale: float
+
+
+def _gather_context(cache: _Cache, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (keys, values), each [*block_ids.shape[:-1], num_blocks * block_size, Hkv, D], in the query's dtype."""
+    kv_cache = cache.kv
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
     shape = (*block_ids.shape[:-1], block_ids.shape[-1] * block_size, num_kv_heads, head_size)
     flat_ids = block_ids.reshape(-1)
+    fp8 = is_fp8(kv_cache.dtype)
+    if fp8:
+        kv_cache = kv_cache.view(torch.uint8)
     # index_select on the block dimension is a plain strided copy (faster than fancy indexing).
     key = kv_cache[0].index_select(0, flat_ids).view(shape)
     value = kv_cache[1].index_select(0, flat_ids).view(shape)
+    if fp8:
+        key = key.view(cache.kv.dtype).to(torch.float32).mul_(cache.k_scale).to(cache.dtype)
+        value = value.view(cache.kv.dtype).to(torch.float32).mul_(cache.v_scale).to(cache.dtype)
     return key, value
 
 
 def _prefill_attention(
     query: torch.Tensor,  # [g, q, Hq, D]
-    kv_cache: torch.Tensor,
+    kv_cache: _Cache,
     group: _PrefillGroup,
     scale: float,
 ) -> torch.Tensor:  # [g, q, Hq, D]
@@ -159,7 +198,7 @@ def _prefill_attention(
 
 def _decode_attention(
     query: torch.Tensor,  # [g, Hq, D], one new token per row
-    kv_cache: torch.Tensor,
+    kv_cache: _Cache,
     block_ids: torch.Tensor,  # [g, num_blocks]
     mask: torch.Tensor,  # [g, 1, 1, num_blocks * block_size] float: 0 inside the context, -inf past it
     scale: float,

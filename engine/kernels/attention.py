@@ -42,8 +42,8 @@ if triton is not None:
     def _write_kv_kernel(
         k_cache_ptr, v_cache_ptr, key_ptr, value_ptr, slot_ptr,
         stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-        stride_c_slot, stride_c_head, num_kv_heads,
-        HEAD_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+        stride_c_slot, stride_c_head, num_kv_heads, inv_k_scale, inv_v_scale,
+        HEAD_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
     ):
         token = tl.program_id(0)
         slot = tl.load(slot_ptr + token)
@@ -55,6 +55,9 @@ if triton is not None:
         k = tl.load(key_ptr + tok * stride_k_tok + h[:, None] * stride_k_head + d[None, :], mask=mask)
         v = tl.load(value_ptr + tok * stride_v_tok + h[:, None] * stride_v_head + d[None, :], mask=mask)
         dst = slot * stride_c_slot + h[:, None] * stride_c_head + d[None, :]
+        if FP8:  # as torch_ref.to_cache_dtype: x * (1 / scale) in float32, saturated, rounded to nearest even
+            k = tl.clamp(k.to(tl.float32) * inv_k_scale, -448.0, 448.0)
+            v = tl.clamp(v.to(tl.float32) * inv_v_scale, -448.0, 448.0)
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -65,12 +68,12 @@ if triton is not None:
     def _paged_attention_kernel(
         out_ptr, part_acc_ptr, part_ml_ptr,
         q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr, order_ptr,
-        scale_log2, num_reqs, num_heads,
+        scale_log2, v_scale, num_reqs, num_heads,
         stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
         stride_c_block, stride_c_off, stride_c_head, stride_bt,
         GROUP: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, LONGEST_FIRST: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, LONGEST_FIRST: tl.constexpr, FP8: tl.constexpr,
     ):
         split = tl.program_id(2)
         if LONGEST_FIRST:
@@ -134,6 +137,9 @@ if triton is not None:
             kv_mask = n_valid[:, None] & d_mask[None, :]
             k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
             v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if FP8:  # stored / scale: k_scale rides in scale_log2, v_scale is applied to acc at the end
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N], log2 units
             visible = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
             s = tl.where(visible, s, float("-inf"))
@@ -143,6 +149,8 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
+        if FP8:
+            acc = acc * v_scale
         if NUM_SPLITS == 1:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows with no keys (padding) give zeros
             tl.store(
@@ -182,10 +190,12 @@ def write_kv_cache(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping: torch.Tensor,  # [num_slots] int64; slot < 0 means "skip"
+    k_scale: float = 1.0,  # fp8 caches: stored = key / k_scale
+    v_scale: float = 1.0,
 ) -> None:
     """Stores each token's key and value at its slot; Triton on GPU, the reference on CPU."""
     if not use_triton(kv_cache) or key.stride(-1) != 1 or value.stride(-1) != 1 or not kv_cache.is_contiguous():
-        return write_kv_cache_ref(key, value, kv_cache, slot_mapping)
+        return write_kv_cache_ref(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     num_slots = slot_mapping.shape[0]
     if num_slots == 0:
         return
@@ -194,9 +204,9 @@ def write_kv_cache(
     _write_kv_kernel[(num_slots,)](
         k_cache, v_cache, key, value, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(1), k_cache.stride(2), num_kv_heads,
+        k_cache.stride(1), k_cache.stride(2), num_kv_heads, 1.0 / k_scale, 1.0 / v_scale,
         HEAD_SIZE=head_size, BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_size),
-        num_warps=4,
+        FP8=torch_ref.is_fp8(kv_cache.dtype), num_warps=4,
     )
 
 
@@ -243,13 +253,16 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
     metadata: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,  # fp8 caches: key = stored * k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
     """Causal attention of every request's new tokens over its cached context, for a mixed batch.
 
     Tokens past query_start_loc[-1] (padding) get zeros.
     """
     if not use_triton(query) or query.stride(-1) != 1 or not kv_cache.is_contiguous():
-        return paged_attention_ref(query, kv_cache, metadata, scale)
+        return paged_attention_ref(query, kv_cache, metadata, scale, k_scale, v_scale)
+    fp8 = torch_ref.is_fp8(kv_cache.dtype)
     num_tokens, num_heads, head_size = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
@@ -281,7 +294,7 @@ def paged_attention(
     _paged_attention_kernel[grid](
         out, part_acc, part_ml,
         query, k_cache, v_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, order,
-        scale * 1.4426950408889634, num_reqs, num_heads,
+        scale * 1.4426950408889634 * (k_scale if fp8 else 1.0), v_scale, num_reqs, num_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_table.stride(0),
         GROUP=group, KV_BLOCK_SIZE=block_size, HEAD_SIZE=head_size, BLOCK_D=block_d,
@@ -290,6 +303,7 @@ def paged_attention(
         # made a TP=2 float32 run differ from one GPU by ~1e-3 in the logits. None: Triton's default (bf16/fp16).
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         LONGEST_FIRST=longest_first,
+        FP8=fp8,
         **cfg,
     )
     if num_splits > 1:

@@ -394,10 +394,10 @@ class PrometheusStatLogger(StatLoggerBase):
 
 def cache_config_labels(config: EngineConfig, num_gpu_blocks: int | None) -> dict[str, str]:
     """vllm:cache_config_info's labels: the CacheConfig fields (vLLM's label names where it has the same
-    field), `num_gpu_blocks` and `cache_dtype` ("auto": the KV cache has the model's dtype)."""
+    field), `num_gpu_blocks` and `cache_dtype` (vLLM's label for kv_cache_dtype: "auto" is the model's dtype)."""
     cache = config.cache
     labels = {f.name: str(getattr(cache, f.name)) for f in dataclasses.fields(cache)}
-    labels["cache_dtype"] = "auto"
+    labels["cache_dtype"] = cache.kv_cache_dtype
     labels["num_gpu_blocks"] = str(num_gpu_blocks)
     return labels
 

@@ -10,7 +10,7 @@ import torch
 
 from engine.allowed_hosts import AllowedHosts
 from engine.attention.layer import Attention
-from engine.config import EngineConfig
+from engine.config import KV_CACHE_DTYPES, EngineConfig
 from engine.core.sched_output import SchedulerOutput
 from engine.core.scheduler import token_budget
 from engine.distributed.parallel_state import (
@@ -164,8 +164,14 @@ class Worker:
         runner.set_speculator(self.draft_proposer, spec.num_speculative_tokens)
 
     @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The KV cache's element type: the model's, or float8 e4m3 (CacheConfig.kv_cache_dtype)."""
+        name = KV_CACHE_DTYPES[self.config.cache.kv_cache_dtype]
+        return self.dtype if name is None else getattr(torch, name)
+
+    @property
     def kv_bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         per_token = sum(2 * layer.num_kv_heads * layer.head_size for layer in self.attn_layers)
         return per_token * self.config.cache.block_size * elem
 
@@ -206,7 +212,7 @@ class Worker:
         Zero-filled so that never-written slots hold finite values.
         """
         block_size = self.config.cache.block_size
-        shapes = [((2, num_blocks, block_size, layer.num_kv_heads, layer.head_size), self.dtype)
+        shapes = [((2, num_blocks, block_size, layer.num_kv_heads, layer.head_size), self.kv_cache_dtype)
                   for layer in self.attn_layers]
         kv_caches, self.kv_region = allocate_kv_cache(shapes, self.device, self.weight_region)
         for layer, kv_cache in zip(self.attn_layers, kv_caches, strict=True):
