@@ -118,6 +118,42 @@ def test_paged_attention_padding_rows_give_zeros(longest_first, monkeypatch):
     assert torch.isfinite(out).all() and torch.all(out[2:] == 0)
 
 
+@pytest.mark.parametrize("query_lens,seq_lens", [([1] * 9, [1, 5, 16, 17, 64, 100, 333, 1024, 2047]),
+                                                   ([77, 1, 128, 1, 5], [200, 50, 128, 1000, 5])])
+@pytest.mark.parametrize("heads", [(16, 8, 128), (8, 8, 64)])
+def test_paged_attention_fp8_cache(query_lens, seq_lens, heads):
+    """An e4m3 cache with per-tensor scales: the kernel reads stored * scale, as the reference does."""
+    num_heads, num_kv_heads, head_size = heads
+    md, kv = _random_batch(query_lens, seq_lens, num_kv_heads, head_size)
+    k_scale, v_scale = 0.02, 0.01  # stored values up to ~200: e4m3's range, not just its top
+    fp8 = torch.stack([attention.torch_ref.to_cache_dtype(kv[0], torch.float8_e4m3fn, k_scale),
+                       attention.torch_ref.to_cache_dtype(kv[1], torch.float8_e4m3fn, v_scale)])
+    q = torch.randn(sum(query_lens), num_heads, head_size, dtype=torch.bfloat16, device=DEV)
+    scale = head_size**-0.5
+    dequant = torch.stack([fp8[0].float() * k_scale, fp8[1].float() * v_scale])
+    ref = attention.paged_attention_ref(q.float(), dequant, md, scale)
+    md.backend_plan = None
+    out = attention.paged_attention(q, fp8, md, scale, k_scale, v_scale)
+    assert rel_err(out, ref) < 2e-2
+    md.backend_plan = None
+    assert rel_err(attention.paged_attention_ref(q.float(), fp8, md, scale, k_scale, v_scale), ref) < 1e-5
+
+
+def test_write_kv_cache_fp8_matches_the_reference_bytes():
+    num_kv_heads, head_size, T, num_blocks, block_size = 8, 128, 50, 20, 16
+    slots = torch.randperm(num_blocks * block_size, device=DEV)[:T]
+    slots[3] = -1  # skipped
+    k = torch.randn(T, num_kv_heads, head_size, dtype=torch.bfloat16, device=DEV) * 40
+    v = torch.randn(T, num_kv_heads, head_size, dtype=torch.bfloat16, device=DEV)
+    k[0, 0, :4] = torch.tensor([1e4, -1e4, 3e-3, 0.0])  # saturating, tiny, zero
+    ref = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=torch.float8_e4m3fn, device=DEV)
+    out = ref.clone()
+    attention.write_kv_cache_ref(k, v, ref, slots, 0.1, 0.5)
+    attention.write_kv_cache(k, v, out, slots, 0.1, 0.5)
+    assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
+    assert not torch.isnan(out.float()).any()
+
+
 @pytest.mark.parametrize("heads", [(8, 128), (4, 16)])
 def test_write_kv_cache(heads):
     num_kv_heads, head_size = heads

@@ -132,3 +132,34 @@ def test_prefill_row_gives_the_same_bits_alone_and_batched():
         torch.testing.assert_close(out, naive_attention(query[start : start + query_len], keys[0], keys[1], scale),
                                    atol=1e-5, rtol=1e-5)
         start += query_len
+
+
+def test_fp8_cache_stores_scaled_saturated_e4m3_and_attends_over_its_values():
+    """An fp8 cache holds clamp(x / scale) in e4m3 (saturating at 448), and attention over it is attention over
+    the stored values times the scales: the same as a float32 cache holding those dequantized values."""
+    from engine.attention.torch_ref import to_cache_dtype
+
+    gen = torch.Generator().manual_seed(3)
+    block_size, num_kv_heads, head_size, seq_len = 4, 2, 32, 11
+    k = torch.randn(seq_len, num_kv_heads, head_size, generator=gen) * 3
+    v = torch.randn(seq_len, num_kv_heads, head_size, generator=gen)
+    k[0, 0, 0], v[1, 1, 1] = 5000.0, -1e6  # beyond e4m3's range: saturated, never NaN
+    k_scale, v_scale = 2.0, 0.5
+    metadata = AttentionMetadata.build([seq_len], [seq_len], [[3, 0, 5]], block_size)
+    fp8 = torch.zeros(2, 8, block_size, num_kv_heads, head_size, dtype=torch.float8_e4m3fn)
+    write_kv_cache(k, v, fp8, metadata.slot_mapping, k_scale, v_scale)
+    stored_k = fp8[0].view(-1, num_kv_heads, head_size)[metadata.slot_mapping]
+    assert torch.equal(stored_k.view(torch.uint8), to_cache_dtype(k, fp8.dtype, k_scale).view(torch.uint8))
+    assert float(stored_k[0, 0, 0]) == 448.0 and float(fp8[1].view(-1, num_kv_heads, head_size)[metadata.slot_mapping][1, 1, 1]) == -448.0
+    dequant_k = stored_k.float() * k_scale
+    # e4m3 keeps 3 mantissa bits: within 1/16 relative wherever it did not saturate (or flush a tiny value).
+    inside = (k.abs() < 448 * k_scale) & (k.abs() > 2**-6 * k_scale)
+    assert bool(((dequant_k - k).abs() <= k.abs() / 16)[inside].all())
+
+    full = torch.zeros(2, 8, block_size, num_kv_heads, head_size)
+    dequant_v = fp8[1].view(-1, num_kv_heads, head_size)[metadata.slot_mapping].float() * v_scale
+    write_kv_cache(dequant_k, dequant_v, full, metadata.slot_mapping)
+    q = torch.randn(seq_len, 4, head_size, generator=gen)
+    out = paged_attention(q, fp8, metadata, 0.2, k_scale, v_scale)
+    torch.testing.assert_close(out, paged_attention(q, full, metadata, 0.2), atol=0, rtol=0)
+    torch.testing.assert_close(out, naive_attention(q, dequant_k, dequant_v, 0.2), atol=1e-5, rtol=1e-5)
