@@ -51,6 +51,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--hf-batch-size", type=int, default=None, help="HF static batch size (default: max-num-seqs)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto", help="ours: the KV cache's element type (auto or fp8)")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true", help="no peer run (same as --peer none)")
@@ -94,7 +95,7 @@ def run_engine(args, path: str, work) -> dict:
     if torch.cuda.is_available() and args.device != "cpu":
         extra = dict(gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
     llm = LLM(path, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens,
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
               max_model_len=args.input_len[1] + args.output_len[1], **extra)
     warm = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 4
     llm.generate([{"prompt_token_ids": p} for p, _ in work[:4]], warm, use_tqdm=False)
@@ -354,6 +355,7 @@ def main() -> None:
         "max_num_seqs": args.max_num_seqs,
         "temperature": args.temperature,
         "top_p": args.top_p,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "attention_order": args.attention_order,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "machine": platform.node(),
