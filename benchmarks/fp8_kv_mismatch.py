@@ -15,13 +15,13 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from offline_throughput import load  # noqa: E402
 from workload import resolve_model, vocab_size_of, write_json  # noqa: E402
 
 
@@ -112,13 +112,12 @@ def main() -> None:
     for kv, r in rows.items():
         print(f"{kv:<15}{r['tokens']:>8}{r['mean_abs']:>11.4f}{r['max_abs']:>10.3f}{r['k3_kl']:>11.2e}"
               f"{r['frac_over_0.1']:>9.3f}")
-    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     write_json(args.json_out, {
         "benchmark": "fp8_kv_mismatch", "model": args.model, "num_prompts": args.num_prompts,
         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "dtype": str(torch_dtype),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
         "mismatch": rows, "sample_s": {kv: r["sample_s"] for kv, r in runs.items()},
-        "load": {"loadavg": list(os.getloadavg()), "uptime": uptime},
+        "load": load(),
     })
     print(json.dumps(rows))
 

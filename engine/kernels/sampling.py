@@ -333,19 +333,15 @@ def gumbel_sample_triton(
 
 
 def _below_threshold_out(logits: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
-    """A copy of logits with every token below its row's threshold ([B] or [B, 1]) at -inf; logits itself without one."""
+    """A copy of logits with every token below its row's threshold ([B] or [B, 1], in logits' unscaled values) at
+    -inf; logits itself without one."""
     if threshold is None:
         return logits
     return logits.masked_fill(logits < threshold.reshape(-1, 1).to(logits.device), float("-inf"))
 
 
-def gumbel_sample(
-    logits: torch.Tensor,
-    keys: torch.Tensor,
-    temperature: torch.Tensor | None = None,
-    threshold: torch.Tensor | None = None,  # [B] or [B, 1], in logits' (unscaled) values: tokens below it are out
-) -> torch.Tensor:
+def gumbel_sample(logits: torch.Tensor, keys: torch.Tensor, temperature: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row; Triton on GPU, the reference on CPU."""
     if use_triton(logits):
-        return gumbel_sample_triton(logits, keys, temperature, threshold)
-    return gumbel_sample_ref(_below_threshold_out(logits, threshold), keys, temperature)
+        return gumbel_sample_triton(logits, keys, temperature)
+    return gumbel_sample_ref(logits, keys, temperature)

@@ -48,7 +48,6 @@ _PIVOTS = 16  # subintervals per search pass: pivot 0 is lo itself (known to hol
 # Tiles of _BLOCK per (row, chunk) program: fixed, so a lane's float32 sum runs over the same
 # tokens in the same order in any batch.
 _TILES = 2
-_LANE_SCALE = 2.0**40  # lane sums become integers in units of 2^-40 of the row's top weight
 
 
 if triton is not None:
@@ -108,7 +107,7 @@ if triton is not None:
             w = tl.where(kept, tl.exp(_scaled(x, inv_temp, HAS_TEMPERATURE) - row_max), 0.0)  # [BLOCK], <= 1
             key = _key(x, KEY_SHIFT)
             acc += tl.where(key[:, None] >= pivots[None, :], w[:, None], 0.0)  # [BLOCK, P]
-        return tl.sum((acc * 1099511627776.0).to(tl.int64), axis=0)  # x 2^40 (_LANE_SCALE), truncated
+        return tl.sum((acc * 1099511627776.0).to(tl.int64), axis=0)  # x 2^40: units of 2^-40 of the row's top weight, truncated
 
     @triton.jit
     def _last_of_row(count_ptr, row, num_chunks):

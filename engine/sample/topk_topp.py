@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels import use_triton
+from engine.kernels.top_p import top_p_threshold_triton
 
 _NEG_INF = float("-inf")
 # Top-p without top-k first looks at this many candidates per row; rows whose nucleus is
@@ -135,8 +136,6 @@ def top_k_top_p_threshold(
     """GPU: the value each row keeps tokens at or above under top-k then top-p (apply_top_k_top_p's rule),
     from top_k_lower and the sort-free pivot search of engine/kernels/top_p.py; no host sync when max_top_k
     is given. With temperature, the nucleus is that of softmax(logits / T)."""
-    from engine.kernels.top_p import top_p_threshold_triton
-
     return top_p_threshold_triton(logits, top_p, top_k_lower(logits, top_k, max_top_k), temperature)
 
 
