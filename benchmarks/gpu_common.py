@@ -177,6 +177,88 @@ class StepTimer:
         return out
 
 
+def matmul_flops_per_s(n: int = 8192) -> float:
+    """Dense bf16 GEMM throughput on this device (median of 10 [n, n] @ [n, n] products)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    times = []
+    for i in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n**3 / median(times)
+
+
+class StepFloor:
+    """The floor of an engine run, step by step: each step's time is at least its bytes over the
+    measured copy bandwidth and at least its FLOPs over the measured GEMM rate.
+
+    Per step (from its SchedulerOutput): bytes = every weight once + the KV of each scheduled
+    request's whole context (read by attention) + the KV it writes; FLOPs = 2 x layer weights x
+    tokens + 2 x head weights x rows that sample + attention's 4 x query tokens x context x
+    heads x head_dim per layer. The floor is the sum of max(bytes / bandwidth, FLOPs / rate)
+    over the steps the engine actually ran, so it is the floor of this schedule (its step
+    count), not of every possible schedule.
+    """
+
+    def __init__(self, llm, bandwidth: float, flops_per_s: float) -> None:
+        worker = llm.engine_core.executor.worker
+        model, hf = worker.model, worker.hf_config
+        self.bandwidth, self.flops_per_s = bandwidth, flops_per_s
+        self.weight_bytes = weight_bytes(model)
+        head = hf.vocab_size * hf.hidden_size
+        layer_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2)
+        self.layer_params, self.head_params = layer_params, head
+        self.kv_per_token = worker.kv_bytes_per_block // llm.config.cache.block_size
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.attn_flops_per_pair = 4 * hf.num_attention_heads * head_dim * hf.num_hidden_layers
+        self.num_prompt: dict[str, int] = {}
+        self.steps: list[tuple[float, float]] = []  # (bytes s, FLOPs s)
+        core = llm.engine_core
+        name = "launch_model" if core.async_scheduling else "execute_model"
+        run = getattr(core.executor, name)
+
+        def recorded(sched):
+            self.record(sched)
+            return run(sched)
+
+        setattr(core.executor, name, recorded)
+
+    def record(self, sched) -> None:
+        computed = {}
+        for new in sched.scheduled_new_reqs:
+            self.num_prompt[new.req_id] = new.num_prompt_tokens
+            computed[new.req_id] = new.num_computed_tokens
+        cached = sched.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        tokens = sched.total_num_scheduled_tokens
+        if not tokens:
+            return
+        context = sampled = attn_pairs = 0
+        for req_id, n in sched.num_scheduled_tokens.items():
+            done = computed.get(req_id, 0) + n
+            context += done
+            attn_pairs += n * (done - (n - 1) / 2)  # query i of n attends to done - n + i + 1 keys
+            sampled += done >= self.num_prompt.get(req_id, 0)
+        moved = self.weight_bytes + (context + tokens) * self.kv_per_token
+        flops = 2 * self.layer_params * tokens + 2 * self.head_params * sampled + self.attn_flops_per_pair * attn_pairs
+        self.steps.append((moved / self.bandwidth, flops / self.flops_per_s))
+
+    def summary(self, output_tokens: int, elapsed_s: float) -> dict:
+        floor_s = sum(max(b, f) for b, f in self.steps)
+        return {"floor_s": floor_s, "floor_output_tok_per_s": output_tokens / floor_s,
+                "fraction_of_floor": floor_s / elapsed_s, "num_steps": len(self.steps),
+                "bytes_s": sum(b for b, _ in self.steps), "flops_s": sum(f for _, f in self.steps),
+                "copy_bandwidth_GBps": self.bandwidth / 1e9, "matmul_TFLOPs": self.flops_per_s / 1e12,
+                "weight_bytes": self.weight_bytes, "kv_bytes_per_token": self.kv_per_token}
+
+
 def timed(fn) -> float:
     """Wall seconds of fn() with the device synchronized before and after (what the caller waits for)."""
     torch.cuda.synchronize()

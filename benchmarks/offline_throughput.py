@@ -70,6 +70,9 @@ def parse_args() -> argparse.Namespace:
                    help="engines behind one RolloutGroup, each on its own GPU(s); requests are balanced between them")
     p.add_argument("--frontend", choices=["llm", "group"], default="llm",
                    help="llm: the offline LLM class; group: a RolloutGroup (async frontend), forced above one engine")
+    p.add_argument("--floor", action="store_true",
+                   help="GPU: also the run's floor, step by step (gpu_common.StepFloor: bytes over the measured "
+                        "copy bandwidth, FLOPs over the measured GEMM rate)")
     p.add_argument("--json-out", default="benchmarks/out/offline_throughput.json")
     args = p.parse_args()
     if args.skip_hf:
@@ -83,6 +86,10 @@ def parse_args() -> argparse.Namespace:
             p.error("--peer vllm compares one engine on one rank; drop --data/tensor-parallel-size")
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
+    if args.floor and not (torch.cuda.is_available() and args.device != "cpu"):
+        p.error("--floor measures the GPU's copy bandwidth and GEMM rate: it needs CUDA")
+    if args.floor and (args.frontend != "llm" or args.data_parallel_size > 1 or args.tensor_parallel_size > 1):
+        p.error("--floor reads the in-process engine's steps: --frontend llm, one rank")
     return args
 
 
@@ -92,6 +99,11 @@ def run_engine(args, path: str, work) -> dict:
     from engine import LLM, SamplingParams
 
     extra = {"tensor_parallel_size": args.tensor_parallel_size}
+    rates = None
+    if args.floor:  # measured before the engine takes the device's memory
+        from gpu_common import copy_bandwidth_bytes_per_s, matmul_flops_per_s
+
+        rates = copy_bandwidth_bytes_per_s(), matmul_flops_per_s()
     if torch.cuda.is_available() and args.device != "cpu":
         extra = dict(gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
     llm = LLM(path, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
@@ -104,6 +116,11 @@ def run_engine(args, path: str, work) -> dict:
     prompts = [{"prompt_token_ids": p} for p, _ in work]
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=n, ignore_eos=True)
               for _, n in work]
+    floor = None
+    if rates is not None:
+        from gpu_common import StepFloor
+
+        floor = StepFloor(llm, *rates)
     _sync(llm.config.device.resolve())
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -117,6 +134,8 @@ def run_engine(args, path: str, work) -> dict:
               "device": llm.config.device.resolve(), "dtype": str(_dtype(args, llm.config.device.resolve())),
               "num_kv_blocks": llm.engine_core.num_blocks, "tensor_parallel_size": args.tensor_parallel_size,
               "cuda_graph_replays": graphs.num_replays if graphs is not None else None}
+    if floor is not None:
+        result["floor"] = floor.summary(num_out, elapsed)
     llm.shutdown()  # its device memory is free when this returns: the next run in this process sizes its cache from it
     return result
 
@@ -383,6 +402,11 @@ def main() -> None:
         print(f"{name:<16}{r['output_tokens']:>15}{r['elapsed_s']:>12.2f}{r['output_tok_per_s']:>15.1f}")
     if "ratio_vs_hf" in result:
         print(f"ratio ours / HF: {result['ratio_vs_hf']:.2f}x")
+    if "floor" in ours:
+        f = ours["floor"]
+        print(f"floor: {f['floor_s']:.2f} s over {f['num_steps']} steps ({f['floor_output_tok_per_s']:.0f} output tok/s; "
+              f"bytes {f['bytes_s']:.2f} s at {f['copy_bandwidth_GBps']:.0f} GB/s, FLOPs {f['flops_s']:.2f} s at "
+              f"{f['matmul_TFLOPs']:.0f} TFLOP/s): ours at {f['fraction_of_floor']:.2f} of the floor")
     write_json(args.json_out, result)
 
 

@@ -74,7 +74,59 @@ def random_prompts(n: int, vocab: int, rng: random.Random) -> list[dict]:
     return [{"prompt_token_ids": [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(128)]} for _ in range(n)]
 
 
-def run_case(llm, prompts, output_len: int) -> dict:
+class _PhaseTimer:
+    """Where a synchronous step's runner time goes: wraps the runner's forward (launch on the host, and
+    the forward's device time between CUDA events), verification plus sampling (the step's one wait
+    for the device is in it) and the speculator's propose (host work, draft passes included)."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.host = {"forward_launch": 0.0, "verify_and_propose": 0.0, "propose": 0.0}
+        self.events: list = []
+        self.saved = {"_forward": runner._forward, "_verify_and_propose": runner._verify_and_propose}
+        self.saved_propose = runner.speculator.propose if runner.speculator is not None else None
+        cuda = torch.cuda.is_available()
+
+        def forward(*a, **k):
+            if cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+            t = time.perf_counter()
+            out = self.saved["_forward"](*a, **k)
+            self.host["forward_launch"] += time.perf_counter() - t
+            if cuda:
+                end.record()
+                self.events.append((begin, end))
+            return out
+
+        def timed(name, fn):
+            def wrapper(*a, **k):
+                t = time.perf_counter()
+                out = fn(*a, **k)
+                self.host[name] += time.perf_counter() - t
+                return out
+            return wrapper
+
+        runner._forward = forward
+        runner._verify_and_propose = timed("verify_and_propose", self.saved["_verify_and_propose"])
+        if self.saved_propose is not None:
+            runner.speculator.propose = timed("propose", self.saved_propose)
+
+    def restore(self) -> None:
+        for name, fn in self.saved.items():
+            setattr(self.runner, name, fn)
+        if self.saved_propose is not None:
+            self.runner.speculator.propose = self.saved_propose
+
+    def per_step_ms(self, steps: int) -> dict:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        out = {k: 1000 * v / max(steps, 1) for k, v in self.host.items()}
+        out["forward_device"] = sum(b.elapsed_time(e) for b, e in self.events) / max(steps, 1)
+        return out
+
+
+def run_case(llm, prompts, output_len: int, profile: bool = False) -> dict:
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -96,6 +148,7 @@ def run_case(llm, prompts, output_len: int) -> dict:
         return result
 
     executor.execute_model = timed
+    phases = _PhaseTimer(executor.worker.model_runner) if profile and totals is not None else None
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -103,11 +156,15 @@ def run_case(llm, prompts, output_len: int) -> dict:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         executor.execute_model = execute
+        if phases is not None:
+            phases.restore()
     elapsed = time.perf_counter() - start
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     row = {"elapsed_s": elapsed, "ms_per_token": 1000 * elapsed / output_len,
            "output_tok_per_s": sum(map(len, tokens)) / elapsed, "tokens": tokens, "num_synchronous_steps": steps[0],
            "runner_ms_per_synchronous_step": 1000 * runner_s[0] / max(steps[0], 1)}
+    if phases is not None:
+        row["phases_ms_per_step"] = phases.per_step_ms(steps[0])
     if totals is not None:
         drafts = totals.num_drafts - before[0]
         draft_tokens = totals.num_draft_tokens - before[1]
@@ -130,6 +187,8 @@ def main() -> None:
     p.add_argument("--skip-scale", type=float, default=0.02)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--cases", nargs="+", default=["ngram", "draft_model"])
+    p.add_argument("--phases", action="store_true",
+                   help="also time each step's phases: forward launch and device time, verify, propose")
     p.add_argument("--json-out", default="benchmarks/out/spec_decode.json")
     args = p.parse_args()
 
@@ -155,7 +214,7 @@ def main() -> None:
         for mode, config in (("plain", None), ("spec", spec)):
             llm = LLM(target, max_num_seqs=max(args.batch_sizes), max_model_len=args.max_model_len,
                       speculative_config=config, kv_cache_memory_bytes=8 << 30)
-            rows[mode] = {b: run_case(llm, prompts[b], args.output_len) for b in args.batch_sizes}
+            rows[mode] = {b: run_case(llm, prompts[b], args.output_len, args.phases) for b in args.batch_sizes}
             llm.engine_core.shutdown()
             del llm
             if torch.cuda.is_available():
@@ -179,6 +238,11 @@ def main() -> None:
               f"{r['speedup']:>9.2f}x{s['acceptance_rate']:>8.2f}{s['mean_acceptance_length']:>10.2f}"
               f"{steps:>7}{1000 * s['elapsed_s'] / max(steps, 1):>9.3f}{s['runner_ms_per_synchronous_step']:>11.3f}  "
               f"{str(s['accepted_per_pos']):<22}{r['requests_identical']}/{r['batch']}")
+    for r in results:
+        for mode in ("plain", "spec"):
+            if "phases_ms_per_step" in r[mode]:
+                ph = "  ".join(f"{k} {v:.3f}" for k, v in r[mode]["phases_ms_per_step"].items())
+                print(f"phases ms/step {r['case']:<12} batch {r['batch']:>3} {mode:<6} {ph}")
     write_json(args.json_out, {"benchmark": "spec_decode", "shape": args.shape, "gpu": gpu,
                                "args": vars(args), "results": results})
 
