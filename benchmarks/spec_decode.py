@@ -17,6 +17,7 @@ embeddings, final norm and head. The acceptance this gives is a property of the 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -149,6 +150,7 @@ def run_case(llm, prompts, output_len: int, profile: bool = False) -> dict:
 
     executor.execute_model = timed
     phases = _PhaseTimer(executor.worker.model_runner) if profile and totals is not None else None
+    gc.collect()  # garbage of the engines before (and of the warm-up) is not collected inside the timed run
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()

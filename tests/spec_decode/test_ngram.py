@@ -28,3 +28,22 @@ def test_no_match_gives_no_drafts_and_the_suffix_is_not_its_own_match():
     assert lookup([1, 2, 3, 4]) == []
     assert lookup([9]) == []
     assert lookup([3, 3], k=2) == [3]  # the only earlier 3 is followed by one token
+
+
+def test_the_batched_lookup_gives_each_rows_answer():
+    """ngram_lookup_rows (one call for a step's rows) equals ngram_lookup row by row, whatever lies past a row's end."""
+    from engine.worker.spec_decode.ngram.proposer import ngram_lookup_rows
+
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        num_rows, width = int(rng.integers(1, 9)), int(rng.integers(1, 40))
+        tokens = rng.integers(0, int(rng.integers(1, 6)), size=(num_rows, width))  # few symbols: many matches
+        lengths = rng.integers(1, width + 1, size=num_rows)
+        ks = rng.integers(-1, 6, size=num_rows)
+        n_min = int(rng.integers(1, 4))
+        n_max = n_min + int(rng.integers(0, 3))
+        got = ngram_lookup_rows(tokens, lengths, ks, n_min, n_max)
+        for r in range(num_rows):
+            row = tokens[r, : lengths[r]]
+            want = ngram_lookup(row, int(ks[r]), n_min, n_max) if ks[r] > 0 else []
+            assert got[r] == want, (trial, r, row.tolist(), int(ks[r]), n_min, n_max)
