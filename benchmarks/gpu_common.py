@@ -98,23 +98,28 @@ def _write_random_weights(path: Path, cfg: dict) -> None:
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
+def _median_device_seconds(fn, runs: int = 20, warmup: int = 5) -> float:
+    """Median device time of fn() between CUDA events, over `runs` calls after `warmup` untimed ones."""
+    times = []
+    for i in range(warmup + runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end) / 1e3)
+    return median(times)
+
+
 def copy_bandwidth_bytes_per_s(num_bytes: int = 2 << 30) -> float:
     """Device copy bandwidth, counting bytes read plus written (median of 20 copies)."""
     src = torch.randn(num_bytes // 4, device="cuda")
     dst = torch.empty_like(src)
-    times = []
-    for i in range(25):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 5:
-            times.append(start.elapsed_time(end) / 1e3)
-    times.sort()
+    seconds = _median_device_seconds(lambda: dst.copy_(src))
     del src, dst
     torch.cuda.empty_cache()
-    return 2 * num_bytes / times[len(times) // 2]
+    return 2 * num_bytes / seconds
 
 
 class StepTimer:
@@ -181,18 +186,10 @@ def matmul_flops_per_s(n: int = 8192) -> float:
     """Dense bf16 GEMM throughput on this device (median of 10 [n, n] @ [n, n] products)."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    times = []
-    for i in range(13):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end) / 1e3)
+    seconds = _median_device_seconds(lambda: a @ b, runs=10, warmup=3)
     del a, b
     torch.cuda.empty_cache()
-    return 2 * n**3 / median(times)
+    return 2 * n**3 / seconds
 
 
 class StepFloor:
@@ -212,9 +209,8 @@ class StepFloor:
         model, hf = worker.model, worker.hf_config
         self.bandwidth, self.flops_per_s = bandwidth, flops_per_s
         self.weight_bytes = weight_bytes(model)
-        head = hf.vocab_size * hf.hidden_size
-        layer_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2)
-        self.layer_params, self.head_params = layer_params, head
+        self.layer_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2)
+        self.head_params = hf.vocab_size * hf.hidden_size
         self.kv_per_token = worker.kv_bytes_per_block // llm.config.cache.block_size
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.attn_flops_per_pair = 4 * hf.num_attention_heads * head_dim * hf.num_hidden_layers

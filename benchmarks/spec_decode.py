@@ -76,9 +76,10 @@ def random_prompts(n: int, vocab: int, rng: random.Random) -> list[dict]:
 
 
 class _PhaseTimer:
-    """Where a synchronous step's runner time goes: wraps the runner's forward (launch on the host, and
-    the forward's device time between CUDA events), verification plus sampling (the step's one wait
-    for the device is in it) and the speculator's propose (host work, draft passes included)."""
+    """Where a synchronous step's runner time goes: wraps the runner's forward (its host time, and the
+    device time between CUDA events recorded around the call: the forward, plus any time the idle
+    device waits for the host's launch work inside the call), verification plus sampling (the step's
+    one wait for the device is in it) and the speculator's propose (host work, draft passes included)."""
 
     def __init__(self, runner) -> None:
         self.runner = runner
@@ -127,7 +128,7 @@ class _PhaseTimer:
         return out
 
 
-def run_case(llm, prompts, output_len: int, profile: bool = False) -> dict:
+def run_case(llm, prompts, output_len: int, time_phases: bool = False) -> dict:
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -149,7 +150,7 @@ def run_case(llm, prompts, output_len: int, profile: bool = False) -> dict:
         return result
 
     executor.execute_model = timed
-    phases = _PhaseTimer(executor.worker.model_runner) if profile and totals is not None else None
+    phases = _PhaseTimer(executor.worker.model_runner) if time_phases and totals is not None else None
     gc.collect()  # garbage of the engines before (and of the warm-up) is not collected inside the timed run
     if torch.cuda.is_available():
         torch.cuda.synchronize()
