@@ -18,6 +18,8 @@ ATTENTION_BACKENDS = {
     "torch_ref": "engine.attention.torch_ref",
     # Triton kernels for CUDA tensors; falls back to torch_ref for CPU tensors.
     "triton": "engine.kernels.attention",
+    # A C kernel for CPU tensors reading the paged cache in place; torch_ref where it does not apply.
+    "cpu": "engine.kernels.cpu_attention",
 }
 
 
@@ -25,7 +27,7 @@ def _default_backend_name() -> str:
     """The one place the attention implementation is chosen (GPU kernels plug in here)."""
     from engine.kernels import triton_enabled
 
-    return "triton" if triton_enabled() else "torch_ref"
+    return "triton" if triton_enabled() else "cpu"
 
 
 _backend: ModuleType = importlib.import_module(ATTENTION_BACKENDS[_default_backend_name()])

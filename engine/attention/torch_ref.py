@@ -90,30 +90,33 @@ def _make_prefill_group(rows: list[int], starts: list[int], metadata: AttentionM
     )
 
 
-def _make_plan(metadata: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+def make_plan(metadata: AttentionMetadata, block_size: int, device: torch.device,
+              rows: list[int] | None = None) -> _Plan:
+    """Splits the step's rows (or only `rows`, for a backend that runs the others itself) into batches."""
     query_lens, seq_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu
     starts = [0]
     for query_len in query_lens:
         starts.append(starts[-1] + query_len)
-    decode_rows = sorted((i for i, n in enumerate(query_lens) if n == 1), key=lambda i: seq_lens[i])
+    rows = range(len(query_lens)) if rows is None else rows
+    decode_rows = sorted((i for i in rows if query_lens[i] == 1), key=lambda i: seq_lens[i])
     groups = []
     for g in range(0, len(decode_rows), _DECODE_GROUP_SIZE):
-        rows = decode_rows[g : g + _DECODE_GROUP_SIZE]
-        lens = torch.tensor([seq_lens[i] for i in rows], device=device)
-        num_blocks = -(-seq_lens[rows[-1]] // block_size)  # rows are sorted: the last is longest
-        row_ids = torch.tensor(rows, device=device)
+        group = decode_rows[g : g + _DECODE_GROUP_SIZE]
+        lens = torch.tensor([seq_lens[i] for i in group], device=device)
+        num_blocks = -(-seq_lens[group[-1]] // block_size)  # rows are sorted: the last is longest
+        row_ids = torch.tensor(group, device=device)
         block_ids = metadata.block_table[row_ids, :num_blocks].long()  # [g, num_blocks]
         valid = torch.arange(num_blocks * block_size, device=device)[None, :] < lens[:, None]  # [g, ctx]
         bias = torch.zeros(valid.shape, device=device).masked_fill_(~valid, float("-inf"))
-        tokens = torch.tensor([starts[i] for i in rows], device=device)
+        tokens = torch.tensor([starts[i] for i in group], device=device)
         groups.append((tokens, block_ids, bias[:, None, None, :]))
     # Prefill rows grouped by exact shape: a row's result then never depends on the others in its
     # batch (no padding; SDPA computes each batch entry alike), and an RL step's n samples of a
     # prompt, or many prompts of one length, share one call per layer.
     shapes: dict[tuple[int, int], list[int]] = {}
-    for i, n in enumerate(query_lens):
-        if n > 1:
-            shapes.setdefault((n, seq_lens[i]), []).append(i)
+    for i in rows:
+        if query_lens[i] > 1:
+            shapes.setdefault((query_lens[i], seq_lens[i]), []).append(i)
     prefill = [_make_prefill_group(rows, starts, metadata, block_size, device) for rows in shapes.values()]
     return _Plan(groups, prefill)
 
@@ -133,21 +136,25 @@ def paged_attention(
     length, context length). Tokens past num_actual_tokens (padding) get zeros.
     """
     plan = metadata.backend_plan
-    if plan is None:
-        plan = metadata.backend_plan = _make_plan(metadata, kv_cache.shape[2], query.device)
+    if not isinstance(plan, _Plan):
+        plan = metadata.backend_plan = make_plan(metadata, kv_cache.shape[2], query.device)
     output = torch.zeros_like(query)
-    cache = _Cache(kv_cache, query.dtype, k_scale, v_scale)
+    run_plan(query, Cache(kv_cache, query.dtype, k_scale, v_scale), plan, scale, output)
+    return output
+
+
+def run_plan(query: torch.Tensor, cache: "Cache", plan: _Plan, scale: float, output: torch.Tensor) -> None:
+    """Writes the attention output of the plan's rows into output (other rows are left as they are)."""
     for tokens, block_ids, mask in plan.decode_groups:
         output[tokens] = _decode_attention(query[tokens], cache, block_ids, mask, scale)
     for group in plan.prefill_groups:
         tokens = group.tokens.reshape(-1)
         output[tokens] = _prefill_attention(query[tokens].view(*group.tokens.shape, *query.shape[1:]), cache, group,
                                             scale).flatten(0, 1)
-    return output
 
 
 @dataclass
-class _Cache:
+class Cache:
     """The paged KV tensor and how to read it: its values in the query's dtype (fp8: times the scales)."""
 
     kv: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_size]
@@ -156,7 +163,7 @@ class _Cache:
     v_scale: float
 
 
-def _gather_context(cache: _Cache, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_context(cache: Cache, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (keys, values), each [*block_ids.shape[:-1], num_blocks * block_size, Hkv, D], in the query's dtype."""
     kv_cache = cache.kv
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
@@ -176,7 +183,7 @@ def _gather_context(cache: _Cache, block_ids: torch.Tensor) -> tuple[torch.Tenso
 
 def _prefill_attention(
     query: torch.Tensor,  # [g, q, Hq, D]
-    kv_cache: _Cache,
+    kv_cache: Cache,
     group: _PrefillGroup,
     scale: float,
 ) -> torch.Tensor:  # [g, q, Hq, D]
@@ -198,7 +205,7 @@ def _prefill_attention(
 
 def _decode_attention(
     query: torch.Tensor,  # [g, Hq, D], one new token per row
-    kv_cache: _Cache,
+    kv_cache: Cache,
     block_ids: torch.Tensor,  # [g, num_blocks]
     mask: torch.Tensor,  # [g, 1, 1, num_blocks * block_size] float: 0 inside the context, -inf past it
     scale: float,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import batch_invariant, cdiv, next_power_of_2, use_triton
+from engine.kernels import batch_invariant, cdiv, cpu_linear, next_power_of_2, use_triton
 
 try:
     import triton
@@ -260,9 +260,12 @@ def _kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias); the small-M Triton kernel for few-row CUDA inputs, F.linear otherwise
-    (the fixed-tile GEMM of engine/kernels/batch_invariant.py for every CUDA call when that mode is on)."""
+    (the fixed-tile GEMM of engine/kernels/batch_invariant.py for every CUDA call when that mode is on;
+    bucketed row counts for half-precision CPU inputs, engine/kernels/cpu_linear.py)."""
     if batch_invariant.applies(x, weight):
         return batch_invariant.linear_invariant(x, weight, bias)
+    if cpu_linear.applies(x):
+        return cpu_linear.linear(x, weight, bias)
     if not (use_triton(x) and _kernel_applies(x, weight, bias)):
         return linear_ref(x, weight, bias)
     lead = x.shape[:-1]

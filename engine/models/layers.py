@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_gather, all_reduce, get_tp
-from engine.kernels import batch_invariant
+from engine.kernels import batch_invariant, cpu_linear
 from engine.kernels.activation import silu_and_mul
 from engine.kernels.gemv import linear
 from engine.kernels.norm import rms_norm
@@ -388,6 +388,8 @@ class LMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab]; see the class docstring for dtype
         if batch_invariant.applies(hidden, self.weight):
             logits = batch_invariant.linear_invariant(hidden, self.weight)  # [N, padded vocab / tp]
+        elif cpu_linear.applies(hidden):
+            logits = cpu_linear.linear(hidden, self.weight)
         else:
             logits = F.linear(hidden, self.weight)  # [N, padded vocab / tp]
         on_gpu = logits.is_cuda
