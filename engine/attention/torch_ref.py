@@ -59,7 +59,9 @@ class _PrefillGroup:
     tokens: torch.Tensor  # [g, q] token indices of each row's queries
     block_ids: torch.Tensor  # [g, num_blocks]
     seq_len: int
-    mask: torch.Tensor  # [q, seq_len] bool, True = attend: keys 0..the query's position
+    # [q, seq_len] bool, True = attend: keys 0..the query's position; None when the row has no cached
+    # prefix (q == seq_len): then SDPA's own causal mask is the same one, without a mask tensor to convert.
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -86,7 +88,7 @@ def _make_prefill_group(rows: list[int], starts: list[int], metadata: AttentionM
     row_ids = torch.tensor(rows, device=device)
     return _PrefillGroup(
         tokens=tokens, block_ids=metadata.block_table[row_ids, : -(-seq_len // block_size)].long(), seq_len=seq_len,
-        mask=key_pos[None, :] <= query_pos[:, None],
+        mask=None if query_len == seq_len else key_pos[None, :] <= query_pos[:, None],
     )
 
 
@@ -197,6 +199,7 @@ def _prefill_attention(
         key.transpose(1, 2),  # [g, Hkv, seq_len, D]
         value.transpose(1, 2),
         attn_mask=group.mask,
+        is_causal=group.mask is None,
         scale=scale,
         enable_gqa=num_heads != key.shape[2],
     )

@@ -160,21 +160,122 @@ static inline __attribute__((always_inline)) void attend(const Args *a, int row,
     for (int i = 0; i < Hq * D; i++) store(a->out, out + i, acc[i] * inv_sum[i / D], bf16);
 }
 
-/* One specialised copy per element type and common head size, and one for any other head size. */
+/* ---- The vector path, for head sizes that are a multiple of 16 -------------------------------------------
+ * Sixteen float lanes per vector (GCC vector extensions: one AVX-512 register, or two AVX2 ones). */
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+enum { LANES = 16 };
+
+static inline v16 load16(const void *base, int64_t offset, const int bf16) {
+    if (bf16) {
+        v16h h;
+        memcpy(&h, (const uint16_t *)base + offset, sizeof h);
+        v16u u = __builtin_convertvector(h, v16u) << 16;
+        v16 f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    v16 f;
+    memcpy(&f, (const float *)base + offset, sizeof f);
+    return f;
+}
+
+/* Lane t of the result is the sum of all lanes of p[t], by the same tree for every t:
+ *   level 1 adds neighbouring lanes (pairs of keys share a vector), level 2 pairs of those (four keys
+ *   share one), level 3 (eight keys), level 4 (sixteen), each level halving the vectors. */
+static inline v16 sum_lanes16(const v16 p[LANES]) {
+    v16 u[8], w[4], z[2];
+    for (int i = 0; i < 8; i++)
+        u[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+               __builtin_shufflevector(p[2 * i], p[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    for (int i = 0; i < 4; i++)
+        w[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+               __builtin_shufflevector(u[2 * i], u[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    for (int i = 0; i < 2; i++)
+        z[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+               __builtin_shufflevector(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    return __builtin_shufflevector(z[0], z[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(z[0], z[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+/* attend() for D % 16 == 0: scores sixteen keys at a time (one vector of partial products per key,
+ * summed across lanes by sum_lanes16), weighted values accumulated in vectors. A key's score is the
+ * same tree of the same products whatever its place in the chunk, so the result still depends on
+ * the row's own context only. */
+static inline __attribute__((always_inline)) void attend_vec(const Args *a, int row, int token, int n,
+                                                             float *restrict q, float *restrict scores,
+                                                             float *restrict acc, const int D, const int bf16) {
+    const int Hq = a->num_heads, H = a->num_kv_heads, G = Hq / H, bs = a->block_size, C = D / LANES;
+    const int32_t *table = a->block_table + (int64_t)row * a->block_table_stride;
+    for (int i = 0; i < Hq * D; i++) q[i] = load(a->query, (int64_t)token * a->query_token_stride + i, bf16);
+    for (int t0 = 0, b = 0; t0 < n; t0 += bs, b++) {
+        const int64_t block = (int64_t)table[b] * bs * H * D;
+        const int end = n - t0 < bs ? n - t0 : bs;
+        for (int i0 = 0; i0 < end; i0 += LANES) {
+            const int count = end - i0 < LANES ? end - i0 : LANES;
+            for (int h = 0; h < Hq; h++) {
+                const int64_t head = block + (int64_t)i0 * H * D + (int64_t)(h / G) * D;
+                v16 qv[C], part[LANES];
+                memcpy(qv, q + h * D, sizeof qv);
+                for (int t = 0; t < LANES; t++) {
+                    v16 sum = {0};
+                    if (t < count)
+                        for (int c = 0; c < C; c++) sum += qv[c] * load16(a->key, head + (int64_t)t * H * D + c * LANES, bf16);
+                    part[t] = sum;
+                }
+                v16 sums = sum_lanes16(part) * a->scale;
+                float *out = scores + h * n + t0 + i0;
+                if (count == LANES)
+                    memcpy(out, &sums, sizeof sums);
+                else
+                    for (int t = 0; t < count; t++) out[t] = sums[t];
+            }
+        }
+    }
+    float inv_sum[Hq];
+    for (int h = 0; h < Hq; h++) inv_sum[h] = 1.0f / softmax_numerators(scores + h * n, n);
+    v16 *accv = (v16 *)acc; /* [Hq][C], 64-byte aligned by run_slice */
+    for (int i = 0; i < Hq * C; i++) accv[i] = (v16){0};
+    for (int t0 = 0, b = 0; t0 < n; t0 += bs, b++) {
+        const int64_t block = (int64_t)table[b] * bs * H * D;
+        const int end = n - t0 < bs ? n - t0 : bs;
+        for (int h = 0; h < Hq; h++) {
+            const int64_t head = block + (int64_t)(h / G) * D;
+            const float *p = scores + h * n + t0;
+            v16 sum[C];
+            memcpy(sum, accv + h * C, sizeof sum);
+            for (int t = 0; t < end; t++)
+                for (int c = 0; c < C; c++) sum[c] += p[t] * load16(a->value, head + (int64_t)t * H * D + c * LANES, bf16);
+            memcpy(accv + h * C, sum, sizeof sum);
+        }
+    }
+    const int64_t out = (int64_t)token * Hq * D;
+    for (int i = 0; i < Hq * D; i++) store(a->out, out + i, acc[i] * inv_sum[i / D], bf16);
+}
+
+/* One specialised copy per element type and common head size, the vector path for any other multiple
+ * of 16, and the scalar one for the rest. */
 static void attend_any(const Args *a, int row, int token, int n, float *q, float *scores, float *acc) {
     const int bf16 = a->dtype == DTYPE_BF16;
     switch (a->head_size * 2 + bf16) {
-    case 64: attend(a, row, token, n, q, scores, acc, 32, 0); break;
-    case 65: attend(a, row, token, n, q, scores, acc, 32, 1); break;
-    case 128: attend(a, row, token, n, q, scores, acc, 64, 0); break;
-    case 129: attend(a, row, token, n, q, scores, acc, 64, 1); break;
-    case 256: attend(a, row, token, n, q, scores, acc, 128, 0); break;
-    case 257: attend(a, row, token, n, q, scores, acc, 128, 1); break;
+    case 64: attend_vec(a, row, token, n, q, scores, acc, 32, 0); break;
+    case 65: attend_vec(a, row, token, n, q, scores, acc, 32, 1); break;
+    case 128: attend_vec(a, row, token, n, q, scores, acc, 64, 0); break;
+    case 129: attend_vec(a, row, token, n, q, scores, acc, 64, 1); break;
+    case 256: attend_vec(a, row, token, n, q, scores, acc, 128, 0); break;
+    case 257: attend_vec(a, row, token, n, q, scores, acc, 128, 1); break;
     default:
-        if (bf16)
+        if (a->head_size % LANES == 0) {
+            if (bf16)
+                attend_vec(a, row, token, n, q, scores, acc, a->head_size, 1);
+            else
+                attend_vec(a, row, token, n, q, scores, acc, a->head_size, 0);
+        } else if (bf16) {
             attend(a, row, token, n, q, scores, acc, a->head_size, 1);
-        else
+        } else {
             attend(a, row, token, n, q, scores, acc, a->head_size, 0);
+        }
     }
 }
 
@@ -183,7 +284,7 @@ static void *run_slice(void *arg) {
     const Args *a = s->a;
     const size_t heads = (size_t)a->num_heads, context = a->max_context > 0 ? (size_t)a->max_context : 1;
     float *q = malloc(sizeof(float) * heads * a->head_size);
-    float *acc = malloc(sizeof(float) * heads * a->head_size);
+    float *acc = aligned_alloc(64, sizeof(float) * heads * (size_t)((a->head_size + 15) / 16 * 16));
     float *scores = malloc(sizeof(float) * heads * context);
     if (!q || !acc || !scores) {
         s->failed = 1;

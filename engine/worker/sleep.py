@@ -46,6 +46,7 @@ from engine.worker.device_memory import (
     shapes_size,
     vmm_available,
 )
+from engine.worker.huge_pages import host_zeros
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +64,18 @@ def pack_weights(model: torch.nn.Module, device: torch.device, enabled: bool) ->
     return region
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled KV tensor; on the host, on huge pages (engine/worker/huge_pages.py)."""
+    if torch.device(device).type == "cpu":
+        return host_zeros(tuple(shape), dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def allocate_kv_cache(shapes: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device,
                       weight_region: SleepableRegion | None) -> tuple[list[torch.Tensor], SleepableRegion | None]:
     """Zero-filled KV tensors of `shapes`: in one fixed-address region when the weights have one, else plain."""
     if weight_region is None:
-        return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in shapes], None
+        return [_zeros(shape, dtype, device) for shape, dtype in shapes], None
     region = SleepableRegion(shapes_size(shapes), device)
     region.tensor.zero_()
     return region_views(region, shapes), region
@@ -280,5 +288,5 @@ class WorkerSleeper:
             worker.kv_region.tensor.zero_()  # never-written slots hold finite values, as at start-up
             return
         for layer, (shape, dtype) in zip(worker.attn_layers, self.kv_shapes, strict=True):
-            layer.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            layer.kv_cache = _zeros(shape, dtype, self.device)
         self.kv_shapes = None
