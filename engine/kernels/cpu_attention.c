@@ -181,6 +181,14 @@ static inline v16 load16(const void *base, int64_t offset, const int bf16) {
     return f;
 }
 
+/* Asks for the next block while this one is computed: blocks are scattered, and the hardware
+ * prefetcher does not follow a jump to another page. */
+static inline void prefetch_block(const void *base, int64_t offset, int64_t count, const int bf16) {
+    const char *p = (const char *)base + offset * (bf16 ? 2 : 4);
+    const int64_t bytes = count * (bf16 ? 2 : 4);
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+}
+
 /* Lane t of the result is the sum of all lanes of p[t], by the same tree for every t:
  *   level 1 adds neighbouring lanes (pairs of keys share a vector), level 2 pairs of those (four keys
  *   share one), level 3 (eight keys), level 4 (sixteen), each level halving the vectors. */
@@ -211,6 +219,7 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
     for (int i = 0; i < Hq * D; i++) q[i] = load(a->query, (int64_t)token * a->query_token_stride + i, bf16);
     for (int t0 = 0, b = 0; t0 < n; t0 += bs, b++) {
         const int64_t block = (int64_t)table[b] * bs * H * D;
+        if (t0 + bs < n) prefetch_block(a->key, (int64_t)table[b + 1] * bs * H * D, (int64_t)bs * H * D, bf16);
         const int end = n - t0 < bs ? n - t0 : bs;
         for (int i0 = 0; i0 < end; i0 += LANES) {
             const int count = end - i0 < LANES ? end - i0 : LANES;
@@ -218,11 +227,22 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
                 const int64_t head = block + (int64_t)i0 * H * D + (int64_t)(h / G) * D;
                 v16 qv[C], part[LANES];
                 memcpy(qv, q + h * D, sizeof qv);
-                for (int t = 0; t < LANES; t++) {
-                    v16 sum = {0};
-                    if (t < count)
-                        for (int c = 0; c < C; c++) sum += qv[c] * load16(a->key, head + (int64_t)t * H * D + c * LANES, bf16);
-                    part[t] = sum;
+                if (count == LANES) { /* the common case: no branch in the key loop, which then unrolls */
+                    for (int t = 0; t < LANES; t++) {
+                        v16 sum = qv[0] * load16(a->key, head + (int64_t)t * H * D, bf16);
+                        for (int c = 1; c < C; c++) sum += qv[c] * load16(a->key, head + (int64_t)t * H * D + c * LANES, bf16);
+                        part[t] = sum;
+                    }
+                } else {
+                    for (int t = 0; t < LANES; t++) {
+                        v16 sum = {0};
+                        if (t < count) {
+                            sum = qv[0] * load16(a->key, head + (int64_t)t * H * D, bf16);
+                            for (int c = 1; c < C; c++)
+                                sum += qv[c] * load16(a->key, head + (int64_t)t * H * D + c * LANES, bf16);
+                        }
+                        part[t] = sum;
+                    }
                 }
                 v16 sums = sum_lanes16(part) * a->scale;
                 float *out = scores + h * n + t0 + i0;
@@ -239,6 +259,7 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
     for (int i = 0; i < Hq * C; i++) accv[i] = (v16){0};
     for (int t0 = 0, b = 0; t0 < n; t0 += bs, b++) {
         const int64_t block = (int64_t)table[b] * bs * H * D;
+        if (t0 + bs < n) prefetch_block(a->value, (int64_t)table[b + 1] * bs * H * D, (int64_t)bs * H * D, bf16);
         const int end = n - t0 < bs ? n - t0 : bs;
         for (int h = 0; h < Hq; h++) {
             const int64_t head = block + (int64_t)(h / G) * D;
