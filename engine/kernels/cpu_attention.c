@@ -189,6 +189,25 @@ static inline void prefetch_block(const void *base, int64_t offset, int64_t coun
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
+/* With AVX512-BF16 (vdpbf16ps): lane j of the result is the sum over 32-element chunks c of
+ * q[32c + 2j] k[32c + 2j] + q[32c + 2j + 1] k[32c + 2j + 1], for D a multiple of 32. */
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+static inline v16 dot_bf16_pairs(const uint16_t *q, const uint16_t *k, const int D) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < D; c += 32)
+        sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(q + c), (__m512bh)_mm512_loadu_si512(k + c));
+    return (v16)sum;
+}
+#else
+#define HAVE_DPBF16 0
+static inline v16 dot_bf16_pairs(const uint16_t *q, const uint16_t *k, const int D) {
+    (void)q, (void)k, (void)D;
+    return (v16){0};
+}
+#endif
+
 /* Lane t of the result is the sum of all lanes of p[t], by the same tree for every t:
  *   level 1 adds neighbouring lanes (pairs of keys share a vector), level 2 pairs of those (four keys
  *   share one), level 3 (eight keys), level 4 (sixteen), each level halving the vectors. */
@@ -227,7 +246,13 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
                 const int64_t head = block + (int64_t)i0 * H * D + (int64_t)(h / G) * D;
                 v16 qv[C], part[LANES];
                 memcpy(qv, q + h * D, sizeof qv);
-                if (count == LANES) { /* the common case: no branch in the key loop, which then unrolls */
+                if (count == LANES && bf16 && D % 32 == 0 && HAVE_DPBF16) {
+                    /* bfloat16 pairs multiplied and added straight into float32 lanes (the products are exact) */
+                    const int64_t q_offset = (int64_t)token * a->query_token_stride + (int64_t)h * D;
+                    for (int t = 0; t < LANES; t++)
+                        part[t] = dot_bf16_pairs((const uint16_t *)a->query + q_offset,
+                                                 (const uint16_t *)a->key + head + (int64_t)t * H * D, D);
+                } else if (count == LANES) { /* the common case: no branch in the key loop, which then unrolls */
                     for (int t = 0; t < LANES; t++) {
                         v16 sum = qv[0] * load16(a->key, head + (int64_t)t * H * D, bf16);
                         for (int c = 1; c < C; c++) sum += qv[c] * load16(a->key, head + (int64_t)t * H * D + c * LANES, bf16);
