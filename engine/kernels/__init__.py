@@ -1,9 +1,10 @@
 """GPU kernels (Triton), each beside a plain-torch reference of the same signature, and the one selection point.
 
 The implementation is chosen once, at import: Triton when CUDA and Triton are both present,
-else the references. A call on CPU tensors always runs the reference, so CPU behaviour is
-the same whatever machine the code runs on; `override_kernels(False)` forces the
-references (tests compare the two on the same inputs).
+else the references. A call on CPU tensors never runs a Triton kernel; `override_kernels(False)`
+forces the references (tests compare the two on the same inputs). Two CPU-side exceptions, each
+beside its reference too: paged attention on CPU runs a C kernel (cpu_attention.py, chosen in
+engine/attention/layer.py), and half-precision CPU linears run at bucketed row counts (cpu_linear.py).
 """
 
 from __future__ import annotations
