@@ -1,7 +1,9 @@
 """The fuzz tier: schemathesis over /openapi.json of a real `rollout launch --enable-rl-routes --api-key` process.
 
-With the key, every operation gets 25 generated cases (one worker; hooks undo pause, sleep and
-weight updates so that generation keeps being exercised); the checks are schemathesis's own:
+With the key, every operation gets the coverage phase's cases (every documented field and its
+boundaries) and up to MAX_EXAMPLES fuzzed ones (one worker; hooks undo pause, sleep and weight
+updates so that generation keeps being exercised), and each test asserts that every operation of
+the document was called in both phases; the checks are schemathesis's own:
 no 5xx but the documented 502/503/504, every status and body as the document says, no request
 past 30 s. Without the key, every protected operation answers 401 and nothing changes.
 """
@@ -24,6 +26,8 @@ API_KEY = "sk-fuzz"
 HERE = os.path.dirname(os.path.abspath(__file__))
 OPEN_PATHS = {"/health", "/metrics"}
 REQUEST_TIMEOUT_S = 30
+# Fuzzing-phase cases per operation (the coverage phase's cases come on top, whatever this is).
+MAX_EXAMPLES = 10
 # schemathesis's not_a_server_error check: 5xx fail except the statuses the document promises for
 # an engine that cannot serve now (503), a transfer peer that failed (502) or timed out (504).
 CONFIG = """\
@@ -37,15 +41,21 @@ def server(launch_server, tiny_checkpoint):
     return launch_server(tiny_checkpoint("llama"), "--enable-rl-routes", "--api-key", API_KEY)
 
 
+def _documented_operations(server) -> set[tuple[str, str]]:
+    doc = httpx.get(server.url + "/openapi.json", timeout=30).json()
+    return {(method.upper(), path) for path, ops in doc["paths"].items() for method in ops}
+
+
 def _fuzz(server, workdir, *, api_key: str | None) -> tuple[int, str, collections.Counter]:
     """Runs schemathesis; returns its exit code, its output and (method, path, status) counts (status None:
-    no response: a network error or a request past the timeout)."""
+    no response: a network error or a request past the timeout). Asserts that each phase (coverage,
+    fuzzing) called every operation of the document."""
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "schemathesis.toml"), "w") as f:
         f.write(CONFIG)
     env = dict(os.environ, ROLLOUT_FUZZ_URL=server.url, PYTHONPATH=HERE)
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", server.url + "/openapi.json",
-           "--max-examples", "25", "--workers", "1", "--seed", "20",
+           "--max-examples", str(MAX_EXAMPLES), "--workers", "1", "--seed", "20",
            "--phases", "coverage,fuzzing", "--request-timeout", str(REQUEST_TIMEOUT_S),
            "--checks", "not_a_server_error,status_code_conformance,response_schema_conformance",
            "--suppress-health-check", "all", "--report", "ndjson", "--report-dir", "report"]
@@ -54,6 +64,7 @@ def _fuzz(server, workdir, *, api_key: str | None) -> tuple[int, str, collection
         env.update(SCHEMATHESIS_HOOKS="schemathesis_hooks", ROLLOUT_FUZZ_API_KEY=api_key)
     done = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
     counts: collections.Counter = collections.Counter()
+    called: dict[str, set[tuple[str, str]]] = {"coverage": set(), "fuzzing": set()}
     (report,) = glob.glob(os.path.join(workdir, "report", "*.ndjson"))
     with open(report) as f:
         for line in f:
@@ -65,6 +76,10 @@ def _fuzz(server, workdir, *, api_key: str | None) -> tuple[int, str, collection
                 request, response = interaction["request"], interaction.get("response")
                 path = "/" + request["uri"].split("/", 3)[3].split("?")[0]
                 counts[(request["method"], path, response["status_code"] if response else None)] += 1
+                called.setdefault(finished["phase"], set()).add((request["method"], path))
+    documented = _documented_operations(server)
+    for phase, operations in called.items():
+        assert not documented - operations, (phase, sorted(documented - operations))
     return done.returncode, done.stdout + done.stderr, counts
 
 
