@@ -22,6 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from compat.deliberate_difference import DeliberateDifference
+
 RECORDED = Path(__file__).resolve().parent / "recorded" / "vllm-0.32-cpu"
 SERVED_MODEL_NAME = "tiny-qwen3"  # record_vllm.py's settings
 MAX_MODEL_LEN = 256  # server_launch.launch passes --max-model-len 256 --dtype float32 --device cpu
@@ -210,10 +212,6 @@ DELIBERATELY_DIFFERENT: dict[str, tuple[dict, str]] = {
         "a prompt that fills max_model_len leaves no room for an output token: param names the field the "
         "client must shorten (prompt); vLLM names max_tokens, which the client did not send"),
 }
-
-
-class DeliberateDifference(UserWarning):
-    """An exchange where ours answers differently from vLLM on purpose (DELIBERATELY_DIFFERENT)."""
 
 
 def deliberate_difference(name: str) -> tuple[dict, str] | None:
