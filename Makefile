@@ -38,9 +38,14 @@ clean-vllm033:
 	rm -rf $(VLLM033)
 
 # pytest exits 5 when it collected no tests; that must fail, so no special-casing here.
-# ROLLOUT_REQUIRE_COMPAT=1: the compat tier was built, so a skip there fails the run (tests/compat/conftest.py).
+# ROLLOUT_REQUIRE_COMPAT=1: the compat tier was built, so a skip there fails the run (tests/conftest.py).
+# Two pytest-xdist workers: run one by one, the tests keep about one core busy (single-threaded
+# start-ups, waits on processes and peers), so two share the machine's two cores. A test file stays
+# on one worker (its module-scoped servers start once) and the files that use Ray run one at a time
+# (the xdist groups of tests/conftest.py).
+PYTEST_XDIST := -n 2 --dist loadgroup
 test: $(VENV)/.installed $(VLLM033)/.built
-	ROLLOUT_REQUIRE_COMPAT=1 $(PY) -m pytest tests
+	ROLLOUT_REQUIRE_COMPAT=1 $(PY) -m pytest tests $(PYTEST_XDIST)
 
 test-fast: $(VENV)/.installed $(VLLM033)/.built
 	$(PY) -m pytest tests -m "not slow"

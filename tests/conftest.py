@@ -32,7 +32,31 @@ def misplaced_gpu_tests(items, gpu_dir: Path = GPU_DIR) -> list[str]:
     return problems
 
 
+COMPAT_DIR = Path(__file__).resolve().parent / "compat"
+REQUIRE_COMPAT_ENV = "ROLLOUT_REQUIRE_COMPAT"  # tests/compat/conftest.py: set, a compat skip fails the run
+# Test files that start or join a local Ray cluster. The engine's Ray executor joins any cluster
+# running on the node (ray.init(address="auto")), so two of these at once under pytest-xdist could
+# share one cluster and shut it down under each other: they all run in one xdist group, one at a time.
+RAY_FILES = {
+    "executor/test_ray_executor.py",
+    "rollout/test_ray_workers.py",
+    "rollout/test_tp_dp_fleet.py",
+    "trainers/test_disaggregated.py",
+    "weights/test_sharded_rdt_backend.py",
+}
+
+
+def xdist_group_name(item) -> str:
+    """A test's pytest-xdist group under `--dist loadgroup`: its file (module-scoped servers and
+    fixtures start once, as without xdist), or "ray" for every file of RAY_FILES."""
+    relative = Path(item.path).resolve().relative_to(Path(__file__).resolve().parent).as_posix()
+    return "ray" if relative in RAY_FILES else relative
+
+
 def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker (make test runs two)
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(xdist_group_name(item)))
     problems = misplaced_gpu_tests(items)
     if problems:
         raise pytest.UsageError(
@@ -49,6 +73,29 @@ def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
     for item in gpu_items:
         item.add_marker(skip_gpu)
+
+
+_compat_skips: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    """Notes every skip under tests/compat (in the xdist controller too: it gets each worker's reports)."""
+    if report.skipped and COMPAT_DIR in Path(str(report.fspath)).resolve().parents:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _compat_skips.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """With ROLLOUT_REQUIRE_COMPAT=1 (make test) any compat skip fails the session."""
+    if os.environ.get(REQUIRE_COMPAT_ENV, "") not in ("", "0") and _compat_skips:
+        lines = "\n  ".join(_compat_skips)
+        message = f"{REQUIRE_COMPAT_ENV}=1 but {len(_compat_skips)} compat test(s) skipped:\n  {lines}"
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line("\n" + message, red=True)
+        else:
+            print(message)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

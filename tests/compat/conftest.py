@@ -3,19 +3,20 @@
 Fixture `vllm_import`: import_vllm, or a skip naming the reason when the vLLM 0.33 build is missing
 (`make vllm033` builds it; `make test` runs that first). `make test` sets ROLLOUT_REQUIRE_COMPAT=1:
 then the fixture fails instead of skipping, and any test under tests/compat that still ends up
-skipped, for whatever reason, fails the session - the tier cannot go quietly missing in CI.
+skipped, for whatever reason, fails the session - the tier cannot go quietly missing in CI. That
+session check lives in tests/conftest.py: under pytest-xdist (`make test` runs two workers) only
+the top conftest is loaded by the controlling process, which sees every worker's reports and owns
+the exit status; a worker's own exit status would be dropped.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
 from compat.vllm_modules import import_vllm, unavailable_reason
 
-COMPAT_DIR = Path(__file__).resolve().parent
 REQUIRE_ENV = "ROLLOUT_REQUIRE_COMPAT"
 
 
@@ -37,24 +38,3 @@ def vllm_import():
     if reason is not None:
         skip_or_fail(reason)
     return import_vllm
-
-
-_compat_skips: list[str] = []
-
-
-def pytest_runtest_logreport(report):
-    if report.skipped and COMPAT_DIR in Path(str(report.fspath)).resolve().parents:
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        _compat_skips.append(f"{report.nodeid}: {reason}")
-
-
-def pytest_sessionfinish(session, exitstatus):
-    if compat_required() and _compat_skips:
-        lines = "\n  ".join(_compat_skips)
-        message = f"{REQUIRE_ENV}=1 but {len(_compat_skips)} compat test(s) skipped:\n  {lines}"
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.write_line("\n" + message, red=True)
-        else:
-            print(message)
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED

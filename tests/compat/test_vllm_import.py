@@ -97,7 +97,7 @@ def test_missing_build_skips_and_fails_when_required(tmp_path):
 
 
 def test_any_compat_skip_fails_when_required():
-    """The session check in tests/compat/conftest.py: a skip of any kind there fails `make test`."""
+    """The session check (tests/conftest.py) for tests/compat: a skip of any kind there fails `make test`."""
     compat_dir = Path(__file__).resolve().parent
     probe = compat_dir / f"_skip_probe_{os.getpid()}.py"  # not test_*.py: collected only when named
     probe.write_text("import pytest\n\ndef test_skips():\n    pytest.skip('some other reason')\n")
