@@ -197,12 +197,12 @@ class GenerateClient(_Backend):
 
     def __init__(self, base_url: str, *, model: str | None = None, api_key: str | None = None,
                  timeout: float | None = DEFAULT_TIMEOUT_S, max_concurrency: int = 64) -> None:
-        import httpx
+        from weight_transfer.clients import HTTPPool
 
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url: expected the server's http(s):// URL, got {base_url!r}")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+        self._http = HTTPPool(base_url.rstrip("/"), headers=headers, timeout=timeout)  # fresh connections after a 5xx
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_concurrency,
                                                            thread_name_prefix="rollout-session")
         try:

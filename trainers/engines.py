@@ -128,13 +128,13 @@ class HTTPRolloutEngine:
 
     def __init__(self, base_url: str, tokenizer: str, *, api_key: str | None = None,
                  timeout: float | None = DEFAULT_TIMEOUT_S, max_concurrency: int = 64) -> None:
-        import httpx
+        from weight_transfer.clients import HTTPPool
 
         self.base_url = base_url.rstrip("/")
         self.config = None  # the server's configuration stays on the server
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = timeout
-        self._http = httpx.Client(base_url=self.base_url, headers=self._headers, timeout=timeout)
+        self._http = HTTPPool(self.base_url, headers=self._headers, timeout=timeout)  # fresh connections after a 5xx
         self._weights = HTTPWeightSyncClient(self.base_url, api_key=api_key, timeout=timeout)
         self._api_key = api_key
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="rollout-http")

@@ -80,12 +80,10 @@ class HTTPWeightSyncClient(WeightSyncClient):
     """Speaks the RL routes of one server. `timeout` (seconds) bounds every call; None waits forever."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float | None = 600.0) -> None:
-        import httpx
-
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
         # One connection pool, safe to share between the trainer thread and background calls.
-        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        self._http = HTTPPool(self.base_url, headers=headers, timeout=timeout)
 
     def _call(self, method: str, *args: Any) -> Any:
         """The control's route (engine/control.py: its Route says verb, path, query and answer)."""
@@ -111,6 +109,44 @@ class HTTPWeightSyncClient(WeightSyncClient):
 
     def close(self) -> None:
         self._http.close()
+
+
+class HTTPPool:
+    """An httpx.Client's kept-alive connections to one server, safe across threads, fresh after a 5xx.
+
+    A uvicorn server (vLLM's, ours) closes a connection whose handler raised, once its 500 is out; a next
+    request on that kept-alive connection can be written before the close arrives and fail with
+    "connection reset by peer". So a 5xx answer sets the pool aside: later requests open new connections,
+    and requests still running on the old pool finish there (it is closed in close()).
+    """
+
+    def __init__(self, base_url: str, **client_kwargs: Any) -> None:
+        import httpx
+
+        self._new = lambda: httpx.Client(base_url=base_url, **client_kwargs)
+        self._client = self._new()
+        self._retired: list = []
+        self._lock = threading.Lock()
+
+    def request(self, method: str, path: str, **kwargs: Any):
+        response = self._client.request(method, path, **kwargs)
+        if response.status_code >= 500:
+            with self._lock:
+                self._retired.append(self._client)
+                self._client = self._new()
+        return response
+
+    def get(self, path: str, **kwargs: Any):
+        return self.request("GET", path, **kwargs)
+
+    def post(self, path: str, **kwargs: Any):
+        return self.request("POST", path, **kwargs)
+
+    def close(self) -> None:
+        with self._lock:
+            for client in [*self._retired, self._client]:
+                client.close()
+            self._retired.clear()
 
 
 class LocalWeightSyncClient(WeightSyncClient):
