@@ -300,6 +300,35 @@ class WeightTransferConfig:
         self.weight_transfer_allowed_hosts = list(self.weight_transfer_allowed_hosts)
 
 
+# The largest max_lora_rank accepted: a rank past it is no longer "low" and its slots would rival the weights.
+MAX_LORA_RANK_LIMIT = 512
+
+
+@dataclass
+class LoRAConfig:
+    """Multi-LoRA serving: PEFT adapters applied per request (LoRARequest) on top of the base weights."""
+
+    enable_lora: bool = False
+    """Serve LoRA adapters: each request may name one (lora_request); requests with different adapters, or none, share a batch."""
+    max_loras: int = 1
+    """Adapters resident at once (one slot each on the device); a step runs requests of at most this many adapters, the others wait."""
+    max_lora_rank: int = 16
+    """Largest adapter rank accepted; every slot is sized for it (smaller ranks are zero-padded)."""
+    max_cpu_loras: int | None = None
+    """Adapters kept in host memory, to page into a slot without reading their files again (least recently used goes first); default max_loras."""
+
+    def __post_init__(self) -> None:
+        if type(self.max_loras) is not int or self.max_loras < 1:
+            raise ValueError(f"max_loras must be a positive int, got {self.max_loras!r}")
+        if type(self.max_lora_rank) is not int or not 1 <= self.max_lora_rank <= MAX_LORA_RANK_LIMIT:
+            raise ValueError(f"max_lora_rank must be an int in [1, {MAX_LORA_RANK_LIMIT}], got {self.max_lora_rank!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if type(self.max_cpu_loras) is not int or self.max_cpu_loras < self.max_loras:
+            # An adapter in a slot is paged in from its host copy, so every resident one has one.
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras!r}) must be an int >= max_loras ({self.max_loras})")
+
+
 SpecMethod = Literal["ngram", "draft_model"]
 _SPEC_KEYS = {
     "ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"},
@@ -381,6 +410,7 @@ class EngineConfig:
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     weight_transfer: WeightTransferConfig = field(default_factory=WeightTransferConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 # The sections of EngineConfig, in --help order; their field names are unique across
@@ -396,6 +426,7 @@ ENGINE_CONFIG_SECTIONS: dict[str, type] = {
     "fault_tolerance": FaultToleranceConfig,
     "speculative": SpeculativeConfig,
     "weight_transfer": WeightTransferConfig,
+    "lora": LoRAConfig,
 }
 
 

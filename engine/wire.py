@@ -10,6 +10,7 @@ import msgspec
 import numpy as np
 
 from engine.core.stats import SchedulerStats
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 
@@ -51,6 +52,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float = msgspec.field(default_factory=time.time)
     priority: int = 0
     client_index: int = 0
+    lora_request: LoRARequest | None = None  # the adapter to run with (LLMEngine's enable_lora); None: the base model
 
 
 class LogprobsLists(msgspec.Struct, array_like=True, eq=False):

@@ -26,12 +26,18 @@ class KVCacheBlock:
         return f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt}, cached={self.block_hash is not None})"
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], extra_key: int | None = None) -> int:
     """The prefix-hash chain: a full block's hash covers its tokens and, through the
-    parent's hash, every token before it. 128-bit blake2b, stable across processes."""
+    parent's hash, every token before it. 128-bit blake2b, stable across processes.
+
+    extra_key: what else the block's KV depends on (the LoRA adapter that computed it, as a
+    non-negative int); None: the tokens alone. Every block of a chain carries it, so two
+    adapters never share a block even where their chains would otherwise meet."""
     h = hashlib.blake2b(digest_size=16)
     # A tag byte keeps "no parent" apart from every possible parent value.
     h.update(b"\x00" if parent_hash is None else b"\x01" + parent_hash.to_bytes(16, "little"))
+    # And another keeps "no extra key" apart from every key (the token bytes that follow have a fixed width).
+    h.update(b"\x00" if extra_key is None else b"\x01" + extra_key.to_bytes(8, "little"))
     h.update(array("q", token_ids).tobytes())
     return int.from_bytes(h.digest(), "little")
 

@@ -190,5 +190,6 @@ class KVCacheManager:
         hashes: list[int] = request.block_hashes
         token_ids: Sequence[int] = request.all_token_ids
         bs = self.block_size
+        extra_key = request.lora_cache_key
         for i in range(len(hashes), num_tokens // bs):
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs], extra_key))

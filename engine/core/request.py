@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 from engine.wire import EngineCoreRequest, FinishReason
 
@@ -50,6 +51,7 @@ class Request:
         arrival_time: float = 0.0,
         priority: int = 0,
         client_index: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -58,6 +60,10 @@ class Request:
         self.arrival_time = arrival_time
         self.priority = priority
         self.client_index = client_index
+        self.lora_request = lora_request
+        # What a block's KV depends on besides its tokens: the adapter that computes this request's
+        # (the EngineCore's number for that load of the adapter, engine/lora/registry.py); None: the base model.
+        self.lora_cache_key: int | None = None
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -90,7 +96,13 @@ class Request:
             req.arrival_time,
             req.priority,
             req.client_index,
+            req.lora_request,
         )
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id; 0 for the base model (vLLM's convention)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 
@@ -18,6 +19,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit (or 0)
     eos_token_id: int | None = None  # banned by min_tokens like the stop tokens
+    lora_request: LoRARequest | None = None  # its adapter; None: the base model
 
 
 @dataclass

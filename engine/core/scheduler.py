@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from engine.config import CacheConfig, SchedulerConfig, SpecDecodeSettings
+from engine.config import CacheConfig, LoRAConfig, SchedulerConfig, SpecDecodeSettings
 from engine.control import PauseState
 from engine.control_state import ControlState
 from engine.core.kv_cache_manager import KVCacheManager
@@ -125,11 +125,15 @@ class Scheduler:
     PAUSED_NEW refuses new requests but schedules everything already admitted (waiting and
     preempted ones too, so a wait-mode pause drains); PAUSED_ALL schedules nothing and queues
     new requests, so a request stops exactly between two steps and later continues from there.
+
+    LoRA (lora.enable_lora): the running requests use at most max_loras distinct adapters, so every
+    step fits the worker's resident adapter slots. A waiting request whose adapter would be one too
+    many waits (keeping its place in the queue) while requests behind it that fit are admitted.
     """
 
     def __init__(
         self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, max_model_len: int, num_blocks: int,
-        spec: SpecDecodeSettings | None = None, control: ControlState | None = None,
+        spec: SpecDecodeSettings | None = None, control: ControlState | None = None, lora: LoRAConfig | None = None,
     ) -> None:
         """control: the engine core's ControlState, whose pause_state this scheduler obeys (None: one of its own)."""
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -174,6 +178,7 @@ class Scheduler:
         self.num_lookahead_tokens = self.num_spec_tokens if spec is not None and spec.method == "draft_model" else 0
         self.spec_stats = SpecDecodingStats(self.num_spec_tokens) if spec is not None else None
         self.spec_totals = SpecDecodingStats(self.num_spec_tokens) if spec is not None else None  # never reset
+        self.max_loras = lora.max_loras if lora is not None and lora.enable_lora else None
 
     # ---- requests in and out ----
 
@@ -269,8 +274,14 @@ class Scheduler:
             req_index += 1
 
         # 2. Waiting requests (new or preempted), only if this step did not run short of blocks.
+        running_lora_ids = {r.lora_int_id for r in self.running} - {0} if self.max_loras is not None else set()
+        lora_skipped: list[Request] = []  # waiting for an adapter slot; back at the front of the queue below
         while not preempted_req_ids and self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            lora_id = request.lora_int_id
+            if lora_id and lora_id not in running_lora_ids and len(running_lora_ids) >= self.max_loras:
+                lora_skipped.append(self.waiting.pop())
+                continue
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if not self.enable_chunked_prefill and num_new > token_budget:
@@ -281,6 +292,8 @@ class Scheduler:
                 break
             self.waiting.pop()
             self.running.append(request)
+            if lora_id:
+                running_lora_ids.add(lora_id)
             if request.sampling_params.needs_output_history:
                 self.history_req_ids.add(request.request_id)
             request.status = RequestStatus.RUNNING
@@ -290,6 +303,8 @@ class Scheduler:
             scheduled_new.append(request)
             num_scheduled_tokens[request.request_id] = num_new
             token_budget -= num_new
+        for request in reversed(lora_skipped):  # in their order, ahead of the rest
+            self.waiting.add_preempted(request)
 
         # 3. Describe the step (num_computed_tokens = where its tokens start), then advance.
         new_reqs_data = [
@@ -301,6 +316,7 @@ class Scheduler:
                 block_ids=kv.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
                 eos_token_id=r.eos_token_id,
+                lora_request=r.lora_request,
             )
             for r in scheduled_new
         ]
