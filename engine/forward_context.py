@@ -1,4 +1,4 @@
-"""The explicit per-step context: set by the model runner around one forward pass, read only by attention layers."""
+"""The explicit per-step context: set by the model runner around one forward pass, read by attention (and LoRA) layers."""
 
 from __future__ import annotations
 
@@ -9,20 +9,21 @@ from typing import Any, Iterator
 
 @dataclass
 class ForwardContext:
-    """What attention layers may read during one forward pass."""
+    """What attention layers (and LoRA deltas) may read during one forward pass."""
 
     attn_metadata: Any  # engine.attention.metadata.AttentionMetadata
+    lora_mapping: Any = None  # engine.lora.ops.LoRAMapping: each token's adapter slot; None: no token has one
 
 
 _forward_context: ForwardContext | None = None
 
 
 @contextmanager
-def set_forward_context(attn_metadata) -> Iterator[ForwardContext]:
-    """Makes `attn_metadata` visible to attention layers for the duration of the block."""
+def set_forward_context(attn_metadata, lora_mapping=None) -> Iterator[ForwardContext]:
+    """Makes `attn_metadata` (and the step's LoRA mapping) visible to the layers for the duration of the block."""
     global _forward_context
     previous = _forward_context
-    _forward_context = ForwardContext(attn_metadata=attn_metadata)
+    _forward_context = ForwardContext(attn_metadata=attn_metadata, lora_mapping=lora_mapping)
     try:
         yield _forward_context
     finally:

@@ -232,6 +232,7 @@ class ColumnParallelLinear(nn.Module):
 
         self.weight = _new_param(self.output_size, input_size, loader=self.weight_loader, parts=parts(input_size))
         self.bias = _new_param(self.output_size, loader=self.weight_loader, parts=parts()) if bias else None
+        self.lora = None  # an engine/lora/layers.LoRALinear when LoRA serving is on: adds each token's adapter delta
 
     def _shard_index(self, shard_id: int | str | None) -> int:
         if shard_id is None:
@@ -246,7 +247,8 @@ class ColumnParallelLinear(nn.Module):
         load_part(param, param.hf_parts[self._shard_index(shard_id)], loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, local out]
-        return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
 
 class MergedLinear(ColumnParallelLinear):
@@ -313,12 +315,15 @@ class RowParallelLinear(nn.Module):
         weight_part = make_part((output_size, input_size), 1, tp.rank * local, local)
         self.weight = _new_param(output_size, local, loader=sharded_weight_loader, parts=(weight_part,))
         self.bias = _new_param(output_size, loader=sharded_weight_loader) if bias else None  # replicated
+        self.lora = None  # an engine/lora/layers.LoRALinear when LoRA serving is on: adds each token's adapter delta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias)  # exactly the unsharded op
-        out = all_reduce(linear(x, self.weight))
-        return out if self.bias is None else out + self.bias
+            out = linear(x, self.weight, self.bias)  # exactly the unsharded op
+        else:
+            out = all_reduce(linear(x, self.weight))
+            out = out if self.bias is None else out + self.bias
+        return out if self.lora is None else self.lora(x, out)
 
 
 def _vocab_parallel_weight(num_embeddings: int, embedding_dim: int) -> tuple[nn.Parameter, int, int]:

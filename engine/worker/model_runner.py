@@ -12,6 +12,8 @@ from engine.config import EngineConfig
 from engine.core.sched_output import SchedulerOutput
 from engine.forward_context import set_forward_context
 from engine.host_copy import to_device, to_host
+from engine.lora.manager import LoRAManager
+from engine.lora.ops import LoRAMapping
 from engine.sample import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from engine.sample.random_sampling import SeededKeys, mix_seeds
 from engine.wire import LogprobsLists
@@ -120,6 +122,8 @@ class ModelRunner:
         # Speculative decoding (set_speculator): proposes drafts after each step; steps verify them.
         self.speculator: Proposer | None = None
         self.num_spec_tokens = 0
+        # LoRA serving (LoRAConfig.enable_lora): pages each step's adapters into slots; set by the worker.
+        self.lora_manager: LoRAManager | None = None
 
     def set_speculator(self, speculator: Proposer, num_spec_tokens: int) -> None:
         self.speculator = speculator
@@ -134,6 +138,10 @@ class ModelRunner:
         if not getattr(get_attention_backend(), "SUPPORTS_CUDA_GRAPHS", False):
             return
         if not getattr(self.model, "supports_cuda_graphs", True):  # e.g. a model whose layers sync with the host
+            return
+        if self.lora_manager is not None:
+            # The LoRA delta groups tokens by adapter with host-built index tensors of per-step shapes, which a
+            # graph cannot replay: with LoRA on, every step runs eagerly (until a fixed-shape kernel pair lands).
             return
         graphs = CudaGraphRunner(self.model, self.device, self.config.scheduler.max_num_seqs,
                                  self.max_num_blocks_per_req, max_verify_len=self.num_spec_tokens + 1)
@@ -154,8 +162,18 @@ class ModelRunner:
         inputs = self.model_state.model_inputs(batch)
         if fill is not None:
             inputs["input_ids"][fill[0]] = fill[1]
-        with set_forward_context(attn_metadata):
+        with set_forward_context(attn_metadata, self._lora_mapping(batch)):
             return self.model(**inputs)
+
+    def _lora_mapping(self, batch: InputBatch) -> LoRAMapping | None:
+        """Pages this step's adapters into their slots; each token's slot (None: no LoRA in this step)."""
+        if self.lora_manager is None:
+            return None
+        row_ids = self.state.lora_ids[batch.slots]  # [B]
+        if not row_ids.any():
+            return None
+        requests = {int(i): self.state.lora_requests[s] for i, s in zip(row_ids, batch.slots.tolist()) if i}
+        return self.lora_manager.activate(np.repeat(row_ids, batch.num_scheduled_tokens), requests)  # [T] ids
 
     def _placeholder_fill(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For input tokens still PLACEHOLDER: their indices and, gathered on the device, the ids

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from engine.core.sched_output import NewRequestData
+from engine.lora.request import LoRARequest
 from engine.sample.random_sampling import seed_to_uint64
 from engine.sampling_params import SamplingParams
 
@@ -54,6 +55,9 @@ class RequestState:
         self.seed = np.zeros(max_num_reqs, dtype=np.uint64)
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
         self.return_routed_experts = np.zeros(max_num_reqs, dtype=bool)
+        # LoRA: each request's adapter id (0: none) and request (whose path a slot is paged in from).
+        self.lora_ids = np.zeros(max_num_reqs, dtype=np.int64)
+        self.lora_requests: list[LoRARequest | None] = [None] * max_num_reqs
 
         self.req_id_to_slot: dict[str, int] = {}
         self.slot_to_req_id: list[str | None] = [None] * max_num_reqs
@@ -87,6 +91,8 @@ class RequestState:
         self.seeded[slot] = sp.seed is not None and not greedy
         self.seed[slot] = seed_to_uint64(sp.seed) if sp.seed is not None else 0
         self.return_routed_experts[slot] = sp.return_routed_experts
+        self.lora_requests[slot] = new.lora_request
+        self.lora_ids[slot] = new.lora_request.lora_int_id if new.lora_request is not None else 0
         return slot
 
     def remove_request(self, req_id: str) -> None:
@@ -96,6 +102,8 @@ class RequestState:
         self.slot_to_req_id[slot] = None
         self.sampling_params[slot] = None
         self.return_routed_experts[slot] = False
+        self.lora_requests[slot] = None
+        self.lora_ids[slot] = 0
         self._free_slots.append(slot)
 
     def append_block_ids(self, slot: int, block_ids: list[int]) -> None:

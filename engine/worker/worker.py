@@ -23,6 +23,8 @@ from engine.distributed.parallel_state import (
 from engine.executor.base import baseline_for_rank
 from engine.kernels.batch_invariant import set_batch_invariant
 from engine.kernels.sampling import gumbel_row_classes
+from engine.lora.manager import LoRAManager
+from engine.lora.request import LoRARequest
 from engine.models.loader import load_hf_config, load_model
 from engine.sample import Sampler, SamplingMetadata, make_generator
 from engine.worker.memory import DeviceMemory, kv_cache_budget
@@ -130,6 +132,9 @@ class Worker:
             vocab_size=self.hf_config.vocab_size,
             max_model_len=max_model_len,
         )
+        # LoRA serving: adapter slots on the model's linear layers, paged per step by the runner (the draft model has none).
+        self.lora_manager = LoRAManager(self.model, config.lora, self.device, self.dtype) if config.lora.enable_lora else None
+        self.model_runner.lora_manager = self.lora_manager
         # Built while the weights are resident: it records their shapes (sleep mode may empty them).
         self.allowed_hosts = AllowedHosts.parse(config.weight_transfer.weight_transfer_allowed_hosts)
         allow_pickled = config.weight_transfer.weight_transfer_allow_pickled_ipc_handles
@@ -366,6 +371,23 @@ class Worker:
     def reset_requests(self) -> None:
         """Drops every request's state (after a failed step); weights and KV tensors stay."""
         self.model_runner.reset_requests()
+
+    # ---- LoRA adapters (engine/lora/manager.py); the EngineCore checks enable_lora first ----
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Reads and validates the adapter into this rank's host cache; ValueError naming the problem."""
+        self._lora().add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora().remove_lora(lora_id)
+
+    def pin_lora(self, lora_request: LoRARequest) -> bool:
+        return self._lora().pin_lora(lora_request)
+
+    def _lora(self) -> LoRAManager:
+        if self.lora_manager is None:
+            raise ValueError("LoRA is off: start the engine with enable_lora=True (--enable-lora)")
+        return self.lora_manager
 
     # ---- weight updates: engine/worker/weight_update.py owns the state machine and validation ----
     # init_info / update_info "model" (and weight_info / weight_checker's model) pick the target

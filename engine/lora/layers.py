@@ -1,0 +1,117 @@
+"""LoRALinear: the stacked adapter slots of one tensor-parallel linear layer and the delta they add to its output.
+
+A LoRA-capable layer (ColumnParallelLinear and its fused QKVLinear / MergedLinear, RowParallelLinear)
+calls `self.lora(x, y)` after its base product when a LoRALinear is attached; nothing else in the
+model knows about adapters. Per slice of the layer's output (q, k, v of a fused qkv; gate, up of a
+fused gate/up; the whole output otherwise) there is one pair of stacked tensors:
+
+    lora_a[i]: [max_loras, max_rank, in]     (rows past an adapter's rank are zero)
+    lora_b[i]: [max_loras, out_i, max_rank]  (scaling folded in; columns past the rank are zero)
+
+and y[:, slice i] += (x @ A[slot]^T) @ B[slot]^T for each token's slot (engine/lora/ops.py).
+
+Tensor parallelism: a column-parallel layer's input is whole on every rank, so A is whole and B
+holds this rank's output rows; a row-parallel layer's input is this rank's slice, so A holds
+this rank's input columns, the shrunk [T, rank] partial sums are all-reduced, and B is whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.distributed import all_reduce
+from engine.forward_context import get_forward_context
+from engine.lora.ops import lora_expand_ref, lora_shrink_ref
+from engine.models.layers import ColumnParallelLinear, RowParallelLinear
+
+
+@dataclass(frozen=True)
+class LoRATarget:
+    """One HF module an adapter may target (e.g. model.layers.0.self_attn.k_proj): where it lives in the engine."""
+
+    module_name: str  # the engine module holding it, e.g. model.layers.0.self_attn.qkv_proj
+    slice_index: int  # which slice of that module's output it is (k: 1)
+    in_features: int  # the HF module's full shape: A is [rank, in_features], B [out_features, rank]
+    out_features: int
+
+
+def lora_targets(model: nn.Module) -> dict[str, LoRATarget]:
+    """Every HF module name of `model` that LoRA can target, e.g. "model.layers.0.self_attn.q_proj".
+
+    Fused engine modules are named back through the model's packed_modules_mapping (qkv_proj ->
+    q_proj, k_proj, v_proj); their HF shapes come from the weight's hf_parts (full, not per rank).
+    """
+    packed: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {})
+    targets: dict[str, LoRATarget] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        hf_leaves = packed.get(leaf, [leaf])
+        parts = module.weight.hf_parts
+        assert len(parts) == len(hf_leaves), f"{name}: {len(parts)} fused tensors, mapping names {hf_leaves}"
+        for index, (hf_leaf, part) in enumerate(zip(hf_leaves, parts)):
+            out_features, in_features = part.full_shape
+            hf_name = f"{parent}.{hf_leaf}" if parent else hf_leaf
+            targets[hf_name] = LoRATarget(name, index, in_features, out_features)
+    return targets
+
+
+class LoRALinear:
+    """Adapter slots of one linear layer; called by the layer as `y = self.lora(x, y)`.
+
+    Not an nn.Module on purpose: its tensors are not model parameters (checkpoint loading, weight sync,
+    checksums and sleep mode walk the parameters and must not see them).
+    """
+
+    def __init__(self, base: ColumnParallelLinear | RowParallelLinear, max_loras: int, max_rank: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.row_parallel = isinstance(base, RowParallelLinear)
+        self.tp_size = getattr(base, "tp_size", 1)
+        out_sizes = [base.output_size] if self.row_parallel else list(base.local_sizes)  # this rank's, per slice
+        self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
+        self.parts = base.weight.hf_parts  # per slice: this rank's share of the HF tensor (slice_of)
+        self.lora_a = [torch.zeros(max_loras, max_rank, base.input_size, device=device, dtype=dtype)
+                       for _ in out_sizes]
+        self.lora_b = [torch.zeros(max_loras, n, max_rank, device=device, dtype=dtype) for n in out_sizes]
+        # Per slice, the slots whose adapter has weights there: the others add nothing and are skipped.
+        self.filled: list[set[int]] = [set() for _ in out_sizes]
+        self._filled_frozen: list[frozenset[int]] = [frozenset() for _ in out_sizes]
+
+    def clear_slot(self, slot: int) -> None:
+        """Forgets the adapter in `slot` (its tensors are zeroed when the next one is set)."""
+        for index in range(len(self.filled)):
+            self.filled[index].discard(slot)
+            self._filled_frozen[index] = frozenset(self.filled[index])
+
+    def set_slot(self, slot: int, slice_index: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
+        """Writes one HF module's adapter into `slot`: lora_a [rank, in], lora_b [out, rank] (scaled), full HF shapes."""
+        part = self.parts[slice_index]
+        if self.row_parallel:
+            lora_a = part.slice_of(lora_a)  # this rank's input columns
+        else:
+            lora_b = part.slice_of(lora_b)  # this rank's output rows
+        rank = lora_a.shape[0]
+        a, b = self.lora_a[slice_index][slot], self.lora_b[slice_index][slot]
+        a.zero_()
+        b.zero_()
+        a[:rank].copy_(lora_a)
+        b[:, :rank].copy_(lora_b)
+        self.filled[slice_index].add(slot)
+        self._filled_frozen[slice_index] = frozenset(self.filled[slice_index])
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # x [T, in (local)], y [T, out (local)]
+        mapping = get_forward_context().lora_mapping
+        if mapping is None:  # no token of this pass has an adapter (or a warm-up / dummy pass)
+            return y
+        for index, filled in enumerate(self._filled_frozen):
+            if not filled:
+                continue
+            buf = lora_shrink_ref(x, self.lora_a[index], mapping, filled)  # [T, max_rank]
+            if self.row_parallel and self.tp_size > 1:
+                buf = all_reduce(buf)  # each rank shrank its input columns: partial sums
+            lora_expand_ref(buf, self.lora_b[index], mapping, y, self.offsets[index], filled)
+        return y

@@ -1,0 +1,138 @@
+"""LoRAManager: the worker's adapters - host copies (LRU, max_cpu_loras), device slots (LRU, max_loras) and each step's token map."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.config import LoRAConfig
+from engine.lora.layers import LoRALinear, lora_targets
+from engine.lora.ops import LoRAMapping, make_lora_mapping
+from engine.lora.peft_loader import PEFTAdapter, load_peft_adapter
+from engine.lora.request import LoRARequest
+from engine.models.layers import ColumnParallelLinear, RowParallelLinear
+
+logger = logging.getLogger(__name__)
+
+
+class LoRAManager:
+    """Attaches a LoRALinear to every LoRA-capable layer of `model` and keeps adapters ready for steps.
+
+    Two levels, both least-recently-used:
+      host:  up to max_cpu_loras validated adapters (float32 copies, full HF shapes), read from disk once;
+      slots: max_loras device slots per layer; a step's adapters are paged into slots before its forward.
+    Invariant: every adapter in a slot has a host copy, or had one when it was paged in (a slot keeps
+    serving after its host copy is evicted or removed; it is re-read from disk if it must be paged in again).
+    Pinned adapters (pin_lora) never leave the host cache and do not count against max_cpu_loras
+    (each is an operator's explicit call); their slots are the last to be reused.
+    """
+
+    def __init__(self, model: nn.Module, config: LoRAConfig, device: torch.device, dtype: torch.dtype) -> None:
+        self.max_loras = config.max_loras
+        self.max_lora_rank = config.max_lora_rank
+        self.max_cpu_loras = config.max_cpu_loras
+        self.device = device
+        self.targets = lora_targets(model)
+        self.layers: dict[str, LoRALinear] = {}
+        for name, module in model.named_modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.lora = self.layers[name] = LoRALinear(module, self.max_loras, self.max_lora_rank, device, dtype)
+        self._host: OrderedDict[int, PEFTAdapter] = OrderedDict()  # lora_int_id -> adapter, oldest use first
+        self._pinned: set[int] = set()
+        self._slot_ids: list[int] = [0] * self.max_loras  # adapter id per slot; 0: empty
+        self._slot_uses: OrderedDict[int, None] = OrderedDict((slot, None) for slot in range(self.max_loras))
+        self.num_disk_loads = 0  # adapters read from disk (a paged-out host copy read again counts again)
+        self.num_slot_loads = 0  # adapters written into a slot
+
+    # ---- adapters (the engine's add_lora / remove_lora / pin_lora / list_loras) ----
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Reads and validates the adapter into the host cache (ValueError naming the problem: nothing changes)."""
+        if lora.lora_int_id in self._host:
+            self._host.move_to_end(lora.lora_int_id)
+            return
+        adapter = load_peft_adapter(lora.lora_path, self.targets, self.max_lora_rank)
+        self.num_disk_loads += 1
+        self._make_host_room()
+        self._host[lora.lora_int_id] = adapter
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Drops the adapter's host copy and slot; False if it held neither. A request still running with it
+        reads it from disk again when it is next paged in."""
+        found = self._host.pop(lora_id, None) is not None
+        self._pinned.discard(lora_id)
+        if lora_id in self._slot_ids:
+            self._free_slot(self._slot_ids.index(lora_id))
+            found = True
+        return found
+
+    def pin_lora(self, lora: LoRARequest) -> bool:
+        """Keeps the adapter's host copy for good (until remove_lora) and its slot as long as any other can go."""
+        self.add_lora(lora)  # its host copy may have been paged out since it was validated
+        self._pinned.add(lora.lora_int_id)
+        return True
+
+    def list_loras(self) -> list[int]:
+        return sorted(self._host)
+
+    def _make_host_room(self) -> None:
+        """Evicts least recently used unpinned host copies until one more unpinned one fits."""
+        unpinned = [lora_id for lora_id in self._host if lora_id not in self._pinned]  # oldest use first
+        for victim in unpinned[: max(0, len(unpinned) + 1 - self.max_cpu_loras)]:
+            del self._host[victim]
+
+    # ---- steps ----
+
+    def activate(self, token_lora_ids: np.ndarray, lora_requests: Mapping[int, LoRARequest]) -> LoRAMapping | None:
+        """Pages the step's adapters into slots and returns its token map (None: no token has an adapter).
+
+        token_lora_ids: [T] each token's lora_int_id (0: none); lora_requests: every id in it -> its request.
+        The scheduler runs at most max_loras adapters a step, so their slots never evict one another.
+        """
+        lora_ids = [int(i) for i in np.unique(token_lora_ids) if i != 0]
+        if not lora_ids:
+            return None
+        if len(lora_ids) > self.max_loras:
+            raise RuntimeError(f"a step with {len(lora_ids)} adapters, above max_loras ({self.max_loras})")
+        slot_of_id = {lora_id: self._slot_for(lora_requests[lora_id], keep=lora_ids) for lora_id in lora_ids}
+        ids, slots = np.array([0, *slot_of_id]), np.array([-1, *slot_of_id.values()])  # ids ascending (np.unique)
+        return make_lora_mapping(slots[np.searchsorted(ids, token_lora_ids)], self.device)  # [T] slot per token
+
+    def _slot_for(self, lora: LoRARequest, keep: list[int]) -> int:
+        """The slot holding `lora`, paging it in if needed over an empty slot or the least recently used one
+        not in `keep` (unpinned first)."""
+        lora_id = lora.lora_int_id
+        if lora_id in self._slot_ids:
+            slot = self._slot_ids.index(lora_id)
+            self._slot_uses.move_to_end(slot)
+            return slot
+        free = [s for s in self._slot_uses if self._slot_ids[s] not in keep]
+        slot = next((s for s in free if self._slot_ids[s] == 0), None)
+        if slot is None:
+            slot = next((s for s in free if self._slot_ids[s] not in self._pinned), free[0])
+        if lora_id not in self._host:  # a validated adapter whose host copy was paged out: read it again
+            logger.info("LoRA %d (%s): reading %s again (host copies are limited by max_cpu_loras=%d)",
+                        lora_id, lora.lora_name, lora.lora_path, self.max_cpu_loras)
+            self.add_lora(lora)
+        self._host.move_to_end(lora_id)
+        self._write_slot(slot, lora_id, self._host[lora_id])
+        self._slot_uses.move_to_end(slot)
+        return slot
+
+    def _write_slot(self, slot: int, lora_id: int, adapter: PEFTAdapter) -> None:
+        self._free_slot(slot)
+        for hf_name, weights in adapter.modules.items():
+            target = self.targets[hf_name]
+            self.layers[target.module_name].set_slot(slot, target.slice_index, weights.lora_a, weights.lora_b)
+        self._slot_ids[slot] = lora_id
+        self.num_slot_loads += 1
+
+    def _free_slot(self, slot: int) -> None:
+        for layer in self.layers.values():
+            layer.clear_slot(slot)
+        self._slot_ids[slot] = 0
