@@ -1,11 +1,13 @@
 """A vLLM-v1-style inference engine: paged KV cache, continuous batching, exact on CPU."""
 
+from engine.lora.request import LoRARequest
 from engine.sampling_params import RepetitionDetectionParams, RequestOutputKind, SamplingParams
 from engine.wire import FinishReason
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "LoRARequest",
     "RepetitionDetectionParams",
     "RequestOutputKind",
     "FinishReason",

@@ -7,6 +7,7 @@ import builtins
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, get_args
 
@@ -28,6 +29,7 @@ from engine.control import (
 )
 from engine.core_client import EngineCoreClient, EngineUtilityError, check_fault_tolerance_instruction
 from engine.engine_args import create_engine_config
+from engine.lora.request import LoRARequest
 from engine.exceptions import (
     AdmissionError,
     EngineDeadError,
@@ -94,6 +96,9 @@ class AsyncLLM:
         self._output_task: asyncio.Task | None = None
         self._dead: BaseException | None = None
         self.engine_status = EngineStatus.HEALTHY  # the last status the engine pushed (fault tolerance)
+        # Adapters the engine validated for this frontend's requests (most recent last): a request naming one
+        # goes straight in; if the engine has forgotten it meanwhile, it validates it again on arrival.
+        self._checked_loras: OrderedDict[LoRARequest, None] = OrderedDict()
         self._ids = itertools.count()
 
     @classmethod
@@ -109,6 +114,7 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         admission: Admission | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs (per sampling_params.output_kind) until it finishes.
 
@@ -116,7 +122,9 @@ class AsyncLLM:
         an AdmissionError; a dead engine raises EngineDeadError. Leaving the loop early
         (break, cancellation, a client disconnect) aborts the request in the engine.
         `admission`: the place admit() already took for it (a server takes it on arrival, before
-        it starts this generator); None takes one here.
+        it starts this generator); None takes one here. `lora_request`: the adapter to run with (None:
+        the base model); the first request naming an adapter waits for the engine to read and validate
+        it (add_lora), so a bad adapter is a ValueError here too.
         """
         self._ensure_output_handler()
         if self._dead is not None:
@@ -126,12 +134,15 @@ class AsyncLLM:
             raise ValueError(f"request_id: {request_id!r} is already running")
         # Admission comes first, from counts alone: a refusal never waits behind tokenization.
         self.processor.check_params(sampling_params, priority)
+        lora_request = self.processor.check_lora(lora_request)
         num_children = sampling_params.n
         admission = admission if admission is not None else self.admit(num_children)
         try:
+            if lora_request is not None:
+                await self._check_lora(lora_request)
             loop = asyncio.get_running_loop()
             text, request = await loop.run_in_executor(
-                self._pool, self.processor.process, request_id, prompt, sampling_params, priority
+                self._pool, self.processor.process, request_id, prompt, sampling_params, priority, lora_request
             )
         finally:
             admission.release(num_children)  # from here on the request counts in _queued
@@ -155,6 +166,16 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not finished and self._dead is None:
                 await self.abort(request_id)
+
+    async def _check_lora(self, lora_request: LoRARequest) -> None:
+        """Has the engine read and validate the adapter, once per adapter (as many as it keeps: max_cpu_loras)."""
+        if lora_request in self._checked_loras:
+            self._checked_loras.move_to_end(lora_request)
+            return
+        await self.add_lora(lora_request)
+        self._checked_loras[lora_request] = None
+        while len(self._checked_loras) > self.config.lora.max_cpu_loras:
+            self._checked_loras.popitem(last=False)
 
     def admit(self, num_requests: int) -> Admission:
         """Takes `num_requests` places in the queue now, or raises AdmissionError (HTTP 503).

@@ -23,6 +23,8 @@ from typing import (
     get_type_hints,
 )
 
+from engine.lora.request import LoRARequest
+
 PauseMode = Literal["abort", "wait", "keep"]
 """abort: end in-flight requests (finish reason abort) and refuse new ones; wait: refuse new
 requests, let in-flight ones finish; keep: freeze in-flight requests with their KV cache and queue
@@ -320,6 +322,31 @@ class EngineControls(Protocol):
             "also reset an external (connector) prefix cache; this engine has none, so nothing more")] = False,
     ) -> bool:
         """Drops every cached prefix block; False if blocks in use kept it from resetting."""
+
+    # ---- LoRA adapters (LoRAConfig.enable_lora): vLLM's LLM.add_lora, remove_lora, pin_lora, list_loras
+
+    @control(Combine.ALL, route=None)
+    async def add_lora(self, lora_request: Annotated[LoRARequest, Arg(
+            "the adapter: LoRARequest(lora_name, lora_int_id, lora_path) or its dict", http=dict[str, Any])]) -> bool:
+        """Reads and validates a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) into
+        host memory, so requests naming its lora_int_id start without reading it; True (also when it was
+        loaded already). ValueError naming the problem, and nothing changes: not a PEFT LoRA directory, an
+        option beyond plain LoRA (DoRA, bias...), a rank above max_lora_rank, a target module the model lacks
+        or LoRA does not support, a shape mismatch, the id loaded as another adapter, or LoRA off."""
+
+    @control(Combine.ANY, route=None)
+    async def remove_lora(self, lora_id: Annotated[int, Arg("the adapter's lora_int_id", ge=1)]) -> bool:
+        """Forgets the adapter (host copy and device slot); False if the engine did not hold it. Requests
+        running with it still finish with it (it is read again from its directory if they need it paged in)."""
+
+    @control(Combine.ALL, route=None)
+    async def pin_lora(self, lora_id: Annotated[int, Arg("the adapter's lora_int_id", ge=1)]) -> bool:
+        """Keeps a loaded adapter in host memory until remove_lora, outside max_cpu_loras' count, and its
+        device slot as long as another slot can be reused; True. ValueError if it is not loaded."""
+
+    @control(Combine.FIRST, route=None)
+    async def list_loras(self) -> list[int]:
+        """The lora_int_ids of the adapters held, ascending (a group: engine 0's; add_lora loads on every engine)."""
 
     # ---- weight updates (the lifecycle: init, start, update..., finish or abort, shutdown)
 

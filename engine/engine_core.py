@@ -34,6 +34,8 @@ from engine.deferred import DeferredResult
 from engine.exceptions import EngineNotReadyError, WeightTransferError
 from engine.executor import Executor, WorkerDiedError, get_executor_class
 from engine.executor.base import OUTPUT_RANK, check_rank_baseline, combine_rank_dicts
+from engine.lora.registry import LoRARegistry
+from engine.lora.request import LoRARequest, lora_request_of
 from engine.wire import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from engine.worker.worker import Worker  # the executor's rpc names worker methods by reference
 
@@ -109,12 +111,14 @@ class EngineCore:
         # Outputs of a step collected by drain(), stamped with the weights that computed them;
         # the next step() returns them before anything else.
         self._drained: EngineCoreOutputs | None = None
+        # The adapters the workers validated (LoRA serving), with their prefix-cache keys.
+        self.loras = LoRARegistry(config.lora.max_cpu_loras)
         # No gc.freeze() here: an in-process engine (LLM, InprocClient) shares the caller's heap, which is
         # not the engine's to pin. The engine's own process freezes once it is built (core_proc.py).
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.config.scheduler, self.config.cache, self.max_model_len, self.num_blocks,
-                         self.config.speculative.settings, control=self.control)
+                         self.config.speculative.settings, control=self.control, lora=self.config.lora)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Admits a request, or raises ValueError naming what is wrong and changes nothing.
@@ -132,7 +136,10 @@ class EngineCore:
                 "update (start_weight_update, update_weights, finish_weight_update) or wake_up(reload_weights=True) "
                 "to read the checkpoint", reason="weights_discarded")
         validate_request(request, self.max_model_len, self.vocab_size, self.has_routed_experts)
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+        core_request = Request.from_engine_core_request(request)
+        if request.lora_request is not None:  # read and validated here, before the request is queued
+            core_request.lora_cache_key = self._load_lora(lora_request_of(request.lora_request))
+        self.scheduler.add_request(core_request)
 
     def abort_requests(self, req_ids: list[str]) -> list[EngineCoreOutput]:
         finished = self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
@@ -625,6 +632,45 @@ class EngineCore:
             self._reset_weights()
             return [None] * self.get_world_size()
         return self.executor.rpc(getattr(Worker, method), *args, **(kwargs or {}))
+
+    # ---- LoRA adapters (engine/control.py declares them; engine/lora/ has the rest) ----
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        self._load_lora(lora_request_of(lora_request))
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        self._check_lora_id(lora_id)
+        known = self.loras.remove(lora_id)
+        return any(self.executor.rpc(Worker.remove_lora, lora_id)) or known
+
+    def pin_lora(self, lora_id: int) -> bool:
+        self._check_lora_id(lora_id)
+        lora = self.loras.get(lora_id)
+        if lora is None:
+            raise ValueError(f"lora_id: adapter {lora_id} is not loaded (add_lora it first)")
+        self.executor.rpc(Worker.pin_lora, lora)
+        self.loras.pin(lora_id)
+        return True
+
+    def list_loras(self) -> list[int]:
+        return self.loras.ids()
+
+    def _load_lora(self, lora: LoRARequest) -> int:
+        """The adapter's prefix-cache key, reading and validating it on every rank first if it is new."""
+        if not self.config.lora.enable_lora:
+            raise ValueError("lora_request: LoRA is off; start the engine with enable_lora=True (--enable-lora)")
+        key = self.loras.cache_key(lora)
+        if key is None:
+            self.executor.rpc(Worker.add_lora, lora)  # ValueError naming the problem; nothing is recorded then
+            key = self.loras.add(lora)
+        return key
+
+    def _check_lora_id(self, lora_id: object) -> None:
+        if not self.config.lora.enable_lora:
+            raise ValueError("lora_id: LoRA is off; start the engine with enable_lora=True (--enable-lora)")
+        if type(lora_id) is not int or lora_id < 1:
+            raise ValueError(f"lora_id: expected a positive int (a lora_int_id), got {lora_id!r}")
 
     def get_worker_pids(self) -> list[int]:
         """Each tensor-parallel rank's worker pid (this process's for the in-process executor; a Ray

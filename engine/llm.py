@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 from engine.control import Control, Where, forward_controls, plain_arguments
 from engine.core_client import InprocClient
 from engine.engine_args import create_engine_config
+from engine.lora.request import LoRARequest
 from engine.metrics.loggers import StatLoggerManager
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -58,8 +59,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in the order of `prompts`."""
+        """Runs every prompt to completion; outputs come back in the order of `prompts`.
+
+        lora_request: the adapter of every prompt, or a list with one per prompt (None: the base model);
+        each adapter is read and validated (add_lora) before any request of the call is added."""
         # Before any request is registered: EngineDeadError saying why (shut down, or a worker died).
         self.engine_core.executor.check_alive()
         if isinstance(prompts, (str, dict)):
@@ -76,6 +81,12 @@ class LLM:
                 )
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: {len(priority)} given for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts")
 
         # Offline callers see only finished outputs: skip building per-step snapshots.
         params_list = [
@@ -88,11 +99,13 @@ class LLM:
             req_id = str(next(self._counter))
             try:
                 text, request = self.processor.process(
-                    req_id, prompt, params, priority[i] if priority is not None else 0
+                    req_id, prompt, params, priority[i] if priority is not None else 0, loras[i]
                 )
             except ValueError as e:
                 raise ValueError(f"{e} (prompt #{i})") from None
             requests.append((text, request))
+        for lora in dict.fromkeys(r.lora_request for _, r in requests if r.lora_request is not None):
+            self.add_lora(lora)  # ValueError naming what is wrong with the adapter, before anything is added
         try:
             for text, request in requests:
                 self._add_request(text, request)

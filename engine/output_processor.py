@@ -68,6 +68,7 @@ class ParentRequest:
                 arrival_time=request.arrival_time,
                 priority=request.priority,
                 client_index=request.client_index,
+                lora_request=request.lora_request,
             )
             for i in range(self.n)
         ]
@@ -101,6 +102,7 @@ class RequestState:
         self.req_id = request.request_id
         self.prompt = prompt
         self.prompt_token_ids = request.prompt_token_ids
+        self.lora_request = request.lora_request
         self.params = params
         self.output_kind = params.output_kind
         self.parent = parent
@@ -433,6 +435,7 @@ class OutputProcessor:
                         outputs=[completion],
                         finished=state.finished,
                         num_cached_tokens=state.num_cached_tokens,
+                        lora_request=state.lora_request,
                     )
                 )
         for parent_id, reports in parent_reports.items():
@@ -471,6 +474,7 @@ class OutputProcessor:
             outputs=list(outputs),
             finished=finished,
             num_cached_tokens=max(c.num_cached_tokens for c in parent.child_states.values()),
+            lora_request=first.lora_request,
         )
 
     @staticmethod

@@ -68,3 +68,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: Any | None = None
+    lora_request: Any | None = None  # engine.lora.request.LoRARequest the request ran with; None: the base model

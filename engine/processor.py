@@ -7,6 +7,7 @@ from typing import Any, Union
 
 from engine.config import EngineConfig
 from engine.engine_core import has_routed_experts, validate_request
+from engine.lora.request import LoRARequest, lora_request_of
 from engine.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from engine.wire import EngineCoreRequest
 
@@ -65,11 +66,22 @@ class Processor:
         if type(priority) is not int or not INT64_MIN <= priority <= INT64_MAX:
             raise ValueError(f"priority: expected an int that fits in 64 bits, got {priority!r}")
 
+    def check_lora(self, lora_request: object) -> LoRARequest | None:
+        """The request's adapter as a LoRARequest (None: the base model); ValueError when LoRA is off or it is malformed.
+        Whether the adapter itself fits the model is the engine's to check (EngineCore.add_lora)."""
+        if lora_request is None:
+            return None
+        if not self.config.lora.enable_lora:
+            raise ValueError("lora_request: LoRA is off; start the engine with enable_lora=True (--enable-lora)")
+        return lora_request_of(lora_request)
+
     def process(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         """Returns (prompt text or None, request); raises ValueError naming a bad field."""
         self.check_params(params, priority)
+        lora_request = self.check_lora(lora_request)
         text, token_ids = self.tokenize(prompt)
         if params.bad_words and params.bad_words_token_ids is None:
             params = params.clone(bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
@@ -80,6 +92,7 @@ class Processor:
             eos_token_id=self.eos_token_id,
             arrival_time=time.time(),
             priority=priority,
+            lora_request=lora_request,
         )
         validate_request(request, self.max_model_len, self.vocab_size, self.has_routed_experts)
         self._check_fits(len(token_ids), params)
