@@ -78,14 +78,11 @@ class LoRALinear:
                        for _ in out_sizes]
         self.lora_b = [torch.zeros(max_loras, n, max_rank, device=device, dtype=dtype) for n in out_sizes]
         # Per slice, the slots whose adapter has weights there: the others add nothing and are skipped.
-        self.filled: list[set[int]] = [set() for _ in out_sizes]
-        self._filled_frozen: list[frozenset[int]] = [frozenset() for _ in out_sizes]
+        self.filled: list[frozenset[int]] = [frozenset() for _ in out_sizes]
 
     def clear_slot(self, slot: int) -> None:
         """Forgets the adapter in `slot` (its tensors are zeroed when the next one is set)."""
-        for index in range(len(self.filled)):
-            self.filled[index].discard(slot)
-            self._filled_frozen[index] = frozenset(self.filled[index])
+        self.filled = [filled - {slot} for filled in self.filled]
 
     def set_slot(self, slot: int, slice_index: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
         """Writes one HF module's adapter into `slot`: lora_a [rank, in], lora_b [out, rank] (scaled), full HF shapes."""
@@ -100,14 +97,13 @@ class LoRALinear:
         b.zero_()
         a[:rank].copy_(lora_a)
         b[:, :rank].copy_(lora_b)
-        self.filled[slice_index].add(slot)
-        self._filled_frozen[slice_index] = frozenset(self.filled[slice_index])
+        self.filled[slice_index] = self.filled[slice_index] | {slot}
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # x [T, in (local)], y [T, out (local)]
         mapping = get_forward_context().lora_mapping
         if mapping is None:  # no token of this pass has an adapter (or a warm-up / dummy pass)
             return y
-        for index, filled in enumerate(self._filled_frozen):
+        for index, filled in enumerate(self.filled):
             if not filled:
                 continue
             buf = lora_shrink_ref(x, self.lora_a[index], mapping, filled)  # [T, max_rank]

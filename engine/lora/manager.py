@@ -111,11 +111,14 @@ class LoRAManager:
             slot = self._slot_ids.index(lora_id)
             self._slot_uses.move_to_end(slot)
             return slot
-        free = [s for s in self._slot_uses if self._slot_ids[s] not in keep]
-        slot = next((s for s in free if self._slot_ids[s] == 0), None)
+        # At most max_loras - 1 other adapters of this step are resident, so there is a candidate.
+        candidates = [s for s in self._slot_uses if self._slot_ids[s] not in keep]  # least recently used first
+        slot = next((s for s in candidates if self._slot_ids[s] == 0), None)
         if slot is None:
-            slot = next((s for s in free if self._slot_ids[s] not in self._pinned), free[0])
-        if lora_id not in self._host:  # a validated adapter whose host copy was paged out: read it again
+            slot = next((s for s in candidates if self._slot_ids[s] not in self._pinned), candidates[0])
+        if lora_id not in self._host:
+            # A validated adapter whose host copy was paged out (or removed while requests ran with it): read it
+            # again. This fails only if its files changed or went away since; the step then fails like any other.
             logger.info("LoRA %d (%s): reading %s again (host copies are limited by max_cpu_loras=%d)",
                         lora_id, lora.lora_name, lora.lora_path, self.max_cpu_loras)
             self.add_lora(lora)
