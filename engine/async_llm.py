@@ -29,7 +29,6 @@ from engine.control import (
 )
 from engine.core_client import EngineCoreClient, EngineUtilityError, check_fault_tolerance_instruction
 from engine.engine_args import create_engine_config
-from engine.lora.request import LoRARequest
 from engine.exceptions import (
     AdmissionError,
     EngineDeadError,
@@ -37,6 +36,7 @@ from engine.exceptions import (
     MaxQueuedTokensError,
     QueueOverflowError,
 )
+from engine.lora.request import LoRARequest
 from engine.metrics.loggers import StatLoggerManager
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from engine.lora.request import LoRARequest
-from peft_reference import ALL_TARGETS, make_peft_adapter, reference, reference_model
-
-MAX_TOKENS = 12
-NUM_PROMPTS = 8
+from peft_reference import (
+    ALL_TARGETS, MAX_TOKENS, NUM_PROMPTS, make_peft_adapter, make_prompts, reference, reference_model,
+)
 
 # Three adapters of different ranks and targets; "all" covers every projection (fused q/k/v and gate/up too).
 ADAPTERS = {
@@ -33,13 +30,6 @@ def adapters(base_model, tmp_path_factory) -> dict[str, LoRARequest]:
         path = make_peft_adapter(base_model, tmp_path_factory.mktemp(f"lora-{name}"), **spec)
         out[name] = LoRARequest(name, lora_id, path)
     return out
-
-
-def make_prompts(seed: int = 0) -> list[list[int]]:
-    """NUM_PROMPTS prompts of 9..44 tokens; most share a 20-token prefix (more than one 16-token block)."""
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, 400) for _ in range(20)]
-    return [(shared if i % 3 else []) + [rng.randrange(3, 400) for _ in range(9 + 3 * i)] for i in range(NUM_PROMPTS)]
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,15 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MAX_TOKENS = 12  # generated per request in the LoRA tests
+NUM_PROMPTS = 8
+
+
+def make_prompts(seed: int = 0) -> list[list[int]]:
+    """NUM_PROMPTS prompts of 9..50 tokens; most share a 20-token prefix (more than one 16-token block)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 400) for _ in range(20)]
+    return [(shared if i % 3 else []) + [rng.randrange(3, 400) for _ in range(9 + 3 * i)] for i in range(NUM_PROMPTS)]
 
 
 def _hf_model(path: str):

@@ -6,13 +6,13 @@ import asyncio
 
 import pytest
 
-from conftest import MAX_TOKENS
 from engine.async_llm import AsyncLLM
 from engine.engine_args import create_engine_config
 from engine.lora.request import LoRARequest
 from engine.mp_client import SyncMPClient
 from engine.sampling_params import SamplingParams
 from engine.wire import EngineCoreRequest, FinishReason
+from peft_reference import MAX_TOKENS
 
 pytestmark = pytest.mark.slow
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import MAX_TOKENS
 from engine import LLM, SamplingParams
+from peft_reference import MAX_TOKENS
 
 LOGPROB_TOLERANCE = 1e-4
 

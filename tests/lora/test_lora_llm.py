@@ -7,9 +7,8 @@ import os
 
 import pytest
 
-from conftest import MAX_TOKENS, make_prompts
 from engine import LLM, LoRARequest, SamplingParams
-from peft_reference import ALL_TARGETS, make_peft_adapter, reference, reference_model
+from peft_reference import ALL_TARGETS, MAX_TOKENS, make_peft_adapter, make_prompts, reference, reference_model
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
