@@ -5,6 +5,7 @@ else the references. A call on CPU tensors never runs a Triton kernel; `override
 forces the references (tests compare the two on the same inputs). Two CPU-side exceptions, each
 beside its reference too: paged attention on CPU runs a C kernel (cpu_attention.py, chosen in
 engine/attention/layer.py), and half-precision CPU linears run at bucketed row counts (cpu_linear.py).
+The decode path's kernels overlap one another's start and end on Hopper (pdl.py).
 """
 
 from __future__ import annotations

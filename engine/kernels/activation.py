@@ -6,12 +6,15 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import use_triton
+from engine.kernels.pdl import pdl
 
 try:
     import triton
     import triton.language as tl
 except ImportError:
     triton = None
+else:
+    from engine.kernels.pdl import wait_inputs
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [T, 2*I] -> [T, I]
@@ -23,7 +26,8 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [T, 2*I] -> [T, I]
 if triton is not None:
 
     @triton.jit
-    def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, I, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_inputs(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < I
@@ -44,7 +48,8 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(num_tokens, I, dtype=x.dtype, device=x.device)
     if num_tokens:
         BLOCK = 1024
-        _silu_and_mul_kernel[(num_tokens, triton.cdiv(I, BLOCK))](out, x, x.stride(0), I, BLOCK=BLOCK, num_warps=4)
+        _silu_and_mul_kernel[(num_tokens, triton.cdiv(I, BLOCK))](out, x, x.stride(0), I, BLOCK=BLOCK, num_warps=4,
+                                                                    PDL=pdl(), launch_pdl=pdl())
     return out
 
 

@@ -22,12 +22,15 @@ import torch
 from engine.attention import torch_ref
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels import batch_invariant, next_power_of_2, use_triton
+from engine.kernels.pdl import pdl
 
 try:
     import triton
     import triton.language as tl
 except ImportError:
     triton = None
+else:
+    from engine.kernels.pdl import wait_inputs
 
 # The runner may capture this backend's decode steps in CUDA graphs (no host reads per call).
 SUPPORTS_CUDA_GRAPHS = True
@@ -44,7 +47,9 @@ if triton is not None:
         stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
         stride_c_slot, stride_c_head, num_kv_heads, inv_k_scale, inv_v_scale,
         HEAD_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        wait_inputs(PDL)
         token = tl.program_id(0)
         slot = tl.load(slot_ptr + token)
         h = tl.arange(0, BLOCK_H)
@@ -73,8 +78,9 @@ if triton is not None:
         stride_c_block, stride_c_off, stride_c_head, stride_bt,
         GROUP: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, LONGEST_FIRST: tl.constexpr, FP8: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, LONGEST_FIRST: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
     ):
+        wait_inputs(PDL)
         split = tl.program_id(2)
         if LONGEST_FIRST:
             # Decode only: one tile per request. Programs start in grid order (axis 0 fastest), so
@@ -167,8 +173,9 @@ if triton is not None:
     @triton.jit
     def _combine_splits_kernel(
         out_ptr, part_acc_ptr, part_ml_ptr, stride_o_tok, stride_o_head, num_heads,
-        HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
     ):
+        wait_inputs(PDL)
         tok = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         s = tl.arange(0, NUM_SPLITS)
@@ -206,7 +213,7 @@ def write_kv_cache(
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(1), k_cache.stride(2), num_kv_heads, 1.0 / k_scale, 1.0 / v_scale,
         HEAD_SIZE=head_size, BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_size),
-        FP8=torch_ref.is_fp8(kv_cache.dtype), num_warps=4,
+        FP8=torch_ref.is_fp8(kv_cache.dtype), num_warps=4, PDL=pdl(), launch_pdl=pdl(),
     )
 
 
@@ -304,11 +311,12 @@ def paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         LONGEST_FIRST=longest_first,
         FP8=fp8,
+        PDL=pdl(), launch_pdl=pdl(),
         **cfg,
     )
     if num_splits > 1:
         _combine_splits_kernel[(metadata.num_actual_tokens, num_heads)](
             out, part_acc, part_ml, out.stride(0), out.stride(1), num_heads,
-            HEAD_SIZE=head_size, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=4,
+            HEAD_SIZE=head_size, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=4, PDL=pdl(), launch_pdl=pdl(),
         )
     return out

@@ -28,12 +28,15 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import batch_invariant, cdiv, cpu_linear, next_power_of_2, use_triton
+from engine.kernels.pdl import pdl
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: the reference is all there is
     triton = None
+else:
+    from engine.kernels.pdl import wait_inputs
 
 # ---- dispatch and config constants (benchmarks/gemv_configs.py measures them) -------------------------
 # Rows up to which the kernel is used (the benchmark's speedup column checks it against cuBLAS).
@@ -125,7 +128,7 @@ if triton is not None:
         M, N, K, k_per_split,
         stride_xm, stride_wn, stride_om, stride_os,
         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         """out[m, n] (or partial[m, split, n]) = sum over this program's K range of x[m, k] * W[n, k]."""
@@ -148,10 +151,23 @@ if triton is not None:
         # whose accumulator holds per-lane products only (the cross-lane sum over K happens once, after
         # the loop).
         if USE_DOT:
+            wait_inputs(PDL)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            k_loop = k_start
         else:
-            acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in range(k_start, k_end, BLOCK_K):
+            # The first tile by hand: its weights are loaded before the wait for the kernel that wrote x
+            # (no kernel of the step writes W), so the load overlaps that kernel's tail (pdl.py).
+            offs_k = tl.max_contiguous(tl.multiple_of(k_start + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+            mask_k = offs_k < K
+            if EVEN_K:
+                w = tl.load(w_rows + offs_k[None, :], eviction_policy="evict_first")
+            else:
+                w = tl.load(w_rows + offs_k[None, :], mask=mask_k[None, :], other=0.0, eviction_policy="evict_first")
+            wait_inputs(PDL)
+            x = tl.load(x_bcast + offs_k[None, :], mask=mask_k[None, :], other=0.0)
+            acc2 = w.to(tl.float32) * x.to(tl.float32)  # == 0 + w * x: the same bits as a zeroed start
+            k_loop = k_start + BLOCK_K
+        for k in range(k_loop, k_end, BLOCK_K):
             offs_k = tl.max_contiguous(tl.multiple_of(k + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
             mask_k = offs_k < K
             # W is streamed once: evict it first, so x (re-read by every program) stays in cache.
@@ -182,9 +198,10 @@ if triton is not None:
     @triton.jit
     def _split_reduce_kernel(
         out_ptr, part_ptr, b_ptr, N,
-        HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
         """out[m, n] = sum over s of partial[m, s, n] (+ bias[n]), cast to out's dtype."""
+        wait_inputs(PDL)
         m = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < N
@@ -234,13 +251,14 @@ def linear_triton(
         x.stride(0), weight.stride(0), target.stride(0), N if split else 0,
         HAS_BIAS=bias is not None, SPLIT=split, USE_DOT=use_dot,
         EVEN_K=K % block_k == 0,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else None, PDL=pdl(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl(),
     )
     if split:
         _split_reduce_kernel[(M, cdiv(N, REDUCE_BLOCK))](
             out, target, b, N, HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=REDUCE_BLOCK, num_warps=4,
+            PDL=pdl(), launch_pdl=pdl(),
         )
     return out
 

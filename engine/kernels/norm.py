@@ -5,12 +5,15 @@ from __future__ import annotations
 import torch
 
 from engine.kernels import next_power_of_2, use_triton
+from engine.kernels.pdl import pdl
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: the reference is all there is
     triton = None
+else:
+    from engine.kernels.pdl import wait_inputs
 
 
 def rms_norm_ref(
@@ -39,8 +42,9 @@ if triton is not None:
         out_ptr, res_out_ptr, x_ptr, res_ptr, w_ptr,
         inner, stride_x0, stride_x1, stride_r0, stride_r1,
         D, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
     ):
+        wait_inputs(PDL)
         row = tl.program_id(0)
         # Row r of the flattened [..., D] view is (r // inner, r % inner) of a 3-d strided view.
         x_off = (row // inner).to(tl.int64) * stride_x0 + (row % inner) * stride_x1
@@ -84,6 +88,7 @@ def rms_norm_triton(x, weight, eps, residual=None):
             out, res_out, x, residual if residual is not None else x, weight,
             inner, sx0, sx1, sr0, sr1, D, eps,
             HAS_RESIDUAL=residual is not None, BLOCK_D=next_power_of_2(D), num_warps=4 if D >= 1024 else 1,
+            PDL=pdl(), launch_pdl=pdl(),
         )
     return out if residual is None else (out, res_out)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels import next_power_of_2, use_triton
+from engine.kernels.pdl import pdl
 from engine.kernels.norm import rms_norm_ref
 from engine.kernels.rotary import rotary_embedding_ref
 
@@ -13,6 +14,8 @@ try:
     import triton.language as tl
 except ImportError:
     triton = None
+else:
+    from engine.kernels.pdl import wait_inputs
 
 
 def qk_norm_rope_ref(
@@ -85,8 +88,9 @@ if triton is not None:
     def _qk_norm_rope_kernel(
         q_ptr, k_ptr, pos_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr,
         stride_q, stride_k, stride_cache, num_q_heads, num_k_heads, eps,
-        HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+        HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
     ):
+        wait_inputs(PDL)
         # One program per token (the grid carries the token count, so no int argument varies per step).
         # In place is safe: a program reads all of its token's heads before it stores any.
         token = tl.program_id(0)
@@ -117,7 +121,7 @@ def qk_norm_rope_triton(positions, q, k, q_weight, k_weight, eps, cos_cache, sin
             q, k, positions, q_weight, k_weight, cos_cache, sin_cache,
             q.stride(0), k.stride(0), cos_cache.stride(0), num_q_heads, num_k_heads, eps,
             HALF=half, BLOCK_H=next_power_of_2(max(num_q_heads, num_k_heads)),
-            BLOCK_HALF=next_power_of_2(half), num_warps=4,
+            BLOCK_HALF=next_power_of_2(half), num_warps=4, PDL=pdl(), launch_pdl=pdl(),
         )
     return q, k
 
