@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import use_triton
-from engine.kernels.pdl import pdl
+from engine.kernels.pdl import pdl_args
 
 try:
     import triton
@@ -49,7 +49,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if num_tokens:
         BLOCK = 1024
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(I, BLOCK))](out, x, x.stride(0), I, BLOCK=BLOCK, num_warps=4,
-                                                                    PDL=pdl(), launch_pdl=pdl())
+                                                                    **pdl_args())
     return out
 
 

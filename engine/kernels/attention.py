@@ -22,7 +22,7 @@ import torch
 from engine.attention import torch_ref
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels import batch_invariant, next_power_of_2, use_triton
-from engine.kernels.pdl import pdl
+from engine.kernels.pdl import pdl_args
 
 try:
     import triton
@@ -213,7 +213,7 @@ def write_kv_cache(
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(1), k_cache.stride(2), num_kv_heads, 1.0 / k_scale, 1.0 / v_scale,
         HEAD_SIZE=head_size, BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_size),
-        FP8=torch_ref.is_fp8(kv_cache.dtype), num_warps=4, PDL=pdl(), launch_pdl=pdl(),
+        FP8=torch_ref.is_fp8(kv_cache.dtype), num_warps=4, **pdl_args(),
     )
 
 
@@ -311,12 +311,12 @@ def paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         LONGEST_FIRST=longest_first,
         FP8=fp8,
-        PDL=pdl(), launch_pdl=pdl(),
+        **pdl_args(),
         **cfg,
     )
     if num_splits > 1:
         _combine_splits_kernel[(metadata.num_actual_tokens, num_heads)](
             out, part_acc, part_ml, out.stride(0), out.stride(1), num_heads,
-            HEAD_SIZE=head_size, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=4, PDL=pdl(), launch_pdl=pdl(),
+            HEAD_SIZE=head_size, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=4, **pdl_args(),
         )
     return out

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import batch_invariant, cdiv, cpu_linear, next_power_of_2, use_triton
-from engine.kernels.pdl import pdl
+from engine.kernels.pdl import pdl_args
 
 try:
     import triton
@@ -39,17 +39,15 @@ else:
     from engine.kernels.pdl import wait_inputs
 
 # ---- dispatch and config constants (benchmarks/gemv_configs.py measures them) -------------------------
-# Rows up to which the kernel is used (the benchmark's speedup column checks it against cuBLAS).
-# At M <= 16 the op stays far below the H200's ridge point (~790 TFLOP/s / ~4.3 TB/s = ~180 FLOP
-# per byte; here M FLOP per weight byte), and one tl.dot tile of 16 rows covers every row, so W is
-# streamed exactly once. Past 16 a second row block would re-read W, and cuBLAS's GEMM tiles
-# should start to pay off.
-# Measured on an H200 (benchmarks/results/h200-decode-latency*.json, Qwen3-0.6B shape, CUDA graphs):
-# a one-row decode step took 1.18 ms with the kernel against 1.46 ms with cuBLAS, but a 16-row step
-# 1.95 ms against 1.80 ms (the heuristic's "dot" configs are not tuned yet; benchmarks/gemv_configs.py
-# times them). So by default only one-row calls (the "fma" GEMV) take the kernel.
-# ROLLOUT_GEMV_MAX_M overrides it (0: cuBLAS everywhere; 16: the dot path too).
-MAX_M = int(os.environ.get("ROLLOUT_GEMV_MAX_M", "1"))
+# Rows up to which the kernel may be used. At M <= 16 the op stays far below the H200's ridge point
+# (~790 TFLOP/s / ~4.3 TB/s = ~180 FLOP per byte; here M FLOP per weight byte), and one tl.dot tile of
+# 16 rows covers every row, so W is streamed exactly once; past 16 a second row block would re-read W.
+# One row always takes the kernel (the "fma" GEMV: 1.18 ms against 1.46 ms with cuBLAS for a 0.6B
+# decode step, h200-decode-latency*.json). 2-16 rows take it only for shapes in CONFIG_TABLE, i.e.
+# where benchmarks/gemv_configs.py measured a config beating cuBLAS (its heuristic configs did not:
+# a 16-row 0.6B step took 1.95 ms against 1.80 with cuBLAS); every other shape stays on cuBLAS.
+# ROLLOUT_GEMV_MAX_M overrides the bound (0: cuBLAS everywhere; 1: one-row calls only).
+MAX_M = int(os.environ.get("ROLLOUT_GEMV_MAX_M", "16"))
 NUM_SMS = 132  # H200
 # Programs to aim for: several waves of resident programs so that enough loads are in flight.
 TARGET_PROGRAMS = 4 * NUM_SMS
@@ -74,11 +72,46 @@ class GemvConfig:
 
 
 # Measured winners, (M bucket, N, K) -> config; a call with M rows uses the smallest bucket >= M
-# (M 2..4 -> 4, 5..8 -> 8, 9..16 -> 16: every M > 1 runs the same 16-row dot tile anyway). Filled
-# from benchmarks/gemv_configs.py's output (it prints lines to paste here); a shape not listed
-# falls back to default_config().
+# (M 2..4 -> 4, 5..8 -> 8, 9..16 -> 16: every M > 1 runs the same 16-row dot tile anyway). From
+# benchmarks/results/h200-gemv-configs.json (one H200, CUDA graphs, weights streamed from HBM): every
+# shape and bucket where the best config beat cuBLAS, with both times. At M == 1 a shape not listed
+# falls back to default_config(); at M > 1 it is not the kernel's (cuBLAS runs it).
 M_BUCKETS = (1, 4, 8, 16)
-CONFIG_TABLE: dict[tuple[int, int, int], GemvConfig] = {}
+CONFIG_TABLE: dict[tuple[int, int, int], GemvConfig] = {
+    (4, 1024, 2048): GemvConfig(32, 128, 4, True, 4, 4),  # qwen3-0.6b o: 5.35 vs 12.77 us
+    (8, 1024, 2048): GemvConfig(32, 128, 4, True, 4, 4),  # qwen3-0.6b o: 5.39 vs 5.84 us
+    (16, 1024, 2048): GemvConfig(32, 128, 4, True, 4, 4),  # qwen3-0.6b o: 5.44 vs 5.89 us
+    (4, 1024, 3072): GemvConfig(32, 128, 8, True, 4, 3),  # qwen3-0.6b down: 6.18 vs 7.46 us
+    (8, 1024, 3072): GemvConfig(32, 128, 8, True, 4, 3),  # qwen3-0.6b down: 6.25 vs 7.40 us
+    (16, 1024, 3072): GemvConfig(32, 256, 4, True, 4, 4),  # qwen3-0.6b down: 6.26 vs 7.67 us
+    (4, 151936, 1024): GemvConfig(64, 128, 1, True, 4, 4),  # qwen3-0.6b lm_head: 72.85 vs 76.45 us
+    (8, 151936, 1024): GemvConfig(64, 128, 1, True, 4, 4),  # qwen3-0.6b lm_head: 74.31 vs 77.56 us
+    (16, 151936, 1024): GemvConfig(128, 128, 1, True, 8, 3),  # qwen3-0.6b lm_head: 75.75 vs 78.71 us
+    (4, 2048, 1536): GemvConfig(16, 256, 1, True, 4, 4),  # qwen2.5-1.5b qkv: 5.01 vs 5.28 us
+    (8, 2048, 1536): GemvConfig(16, 256, 1, True, 4, 4),  # qwen2.5-1.5b qkv: 5.02 vs 5.29 us
+    (16, 2048, 1536): GemvConfig(16, 256, 1, True, 4, 4),  # qwen2.5-1.5b qkv: 5.01 vs 5.30 us
+    (4, 1536, 1536): GemvConfig(16, 256, 1, True, 4, 4),  # qwen2.5-1.5b o: 4.91 vs 5.97 us
+    (8, 1536, 1536): GemvConfig(16, 256, 1, True, 4, 4),  # qwen2.5-1.5b o: 4.92 vs 5.23 us
+    (16, 1536, 1536): GemvConfig(16, 256, 1, True, 4, 4),  # qwen2.5-1.5b o: 4.92 vs 5.22 us
+    (4, 17920, 1536): GemvConfig(32, 128, 1, True, 4, 3),  # qwen2.5-1.5b gate_up: 15.61 vs 17.05 us
+    (8, 17920, 1536): GemvConfig(64, 128, 1, True, 4, 3),  # qwen2.5-1.5b gate_up: 15.75 vs 17.19 us
+    (16, 17920, 1536): GemvConfig(64, 128, 1, True, 4, 3),  # qwen2.5-1.5b gate_up: 15.99 vs 17.43 us
+    (4, 1536, 8960): GemvConfig(32, 128, 8, True, 4, 4),  # qwen2.5-1.5b down: 11.17 vs 11.80 us
+    (8, 1536, 8960): GemvConfig(32, 128, 8, True, 4, 4),  # qwen2.5-1.5b down: 11.26 vs 11.74 us
+    (16, 1536, 8960): GemvConfig(32, 128, 8, True, 4, 3),  # qwen2.5-1.5b down: 11.42 vs 11.95 us
+    (4, 3584, 3584): GemvConfig(64, 128, 4, True, 4, 4),  # qwen2.5-7b o: 10.22 vs 11.42 us
+    (8, 3584, 3584): GemvConfig(64, 128, 4, True, 4, 4),  # qwen2.5-7b o: 10.28 vs 11.34 us
+    (16, 3584, 3584): GemvConfig(64, 128, 4, True, 4, 3),  # qwen2.5-7b o: 10.36 vs 11.48 us
+    (4, 37888, 3584): GemvConfig(64, 128, 1, True, 4, 2),  # qwen2.5-7b gate_up: 63.26 vs 70.24 us
+    (8, 37888, 3584): GemvConfig(64, 128, 1, True, 4, 2),  # qwen2.5-7b gate_up: 63.45 vs 71.13 us
+    (16, 37888, 3584): GemvConfig(32, 128, 1, True, 4, 2),  # qwen2.5-7b gate_up: 64.38 vs 71.64 us
+    (4, 3584, 18944): GemvConfig(64, 128, 8, True, 4, 3),  # qwen2.5-7b down: 36.10 vs 38.63 us
+    (8, 3584, 18944): GemvConfig(64, 128, 8, True, 4, 3),  # qwen2.5-7b down: 36.45 vs 39.06 us
+    (16, 3584, 18944): GemvConfig(32, 128, 4, True, 4, 3),  # qwen2.5-7b down: 37.19 vs 40.87 us
+    (4, 152064, 3584): GemvConfig(128, 128, 1, True, 8, 3),  # qwen2.5-7b lm_head: 240.52 vs 248.89 us
+    (8, 152064, 3584): GemvConfig(128, 128, 1, True, 8, 3),  # qwen2.5-7b lm_head: 242.25 vs 250.54 us
+    (16, 152064, 3584): GemvConfig(128, 128, 1, True, 8, 3),  # qwen2.5-7b lm_head: 244.38 vs 252.56 us
+}
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -111,11 +144,20 @@ def _split_for(n: int, k: int, block_n: int, block_k: int) -> int:
     return split
 
 
+def _bucket(m: int) -> int:
+    return next((b for b in M_BUCKETS if b >= m), m)
+
+
 @functools.lru_cache(maxsize=1024)
 def pick_config(m: int, n: int, k: int) -> GemvConfig:
     """The config for one call: the measured table first, then the heuristic."""
-    bucket = next((b for b in M_BUCKETS if b >= m), m)
-    return CONFIG_TABLE.get((bucket, n, k)) or default_config(m, n, k)
+    return CONFIG_TABLE.get((_bucket(m), n, k)) or default_config(m, n, k)
+
+
+def measured_faster(m: int, n: int, k: int) -> bool:
+    """Whether the kernel takes an M-row call of this shape: always for one row, else only where
+    CONFIG_TABLE holds a config measured faster than cuBLAS."""
+    return m == 1 or (_bucket(m), n, k) in CONFIG_TABLE
 
 
 if triton is not None:
@@ -251,27 +293,30 @@ def linear_triton(
         x.stride(0), weight.stride(0), target.stride(0), N if split else 0,
         HAS_BIAS=bias is not None, SPLIT=split, USE_DOT=use_dot,
         EVEN_K=K % block_k == 0,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else None, PDL=pdl(),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(),
     )
     if split:
         _split_reduce_kernel[(M, cdiv(N, REDUCE_BLOCK))](
             out, target, b, N, HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=REDUCE_BLOCK, num_warps=4,
-            PDL=pdl(), launch_pdl=pdl(),
+            **pdl_args(),
         )
     return out
 
 
 def _kernel_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether linear_triton takes this call: small M, half-precision, K-contiguous, inference."""
-    if x.dim() < 1 or not 1 <= x.numel() // max(1, x.shape[-1]) <= MAX_M:  # cheapest test first (prefill fails it)
+    m = x.numel() // max(1, x.shape[-1]) if x.dim() >= 1 else 0
+    if not 1 <= m <= MAX_M:  # cheapest test first (prefill fails it)
         return False
     if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype or weight.dim() != 2:
         return False
     if x.shape[-1] != weight.shape[1] or x.shape[-1] == 0 or x.stride(-1) != 1 or weight.stride(1) != 1:
         return False
     if bias is not None and (bias.dtype != x.dtype or bias.dim() != 1 or bias.stride(0) != 1):
+        return False
+    if not measured_faster(m, weight.shape[0], weight.shape[1]):
         return False
     return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))  # the kernel has no backward
 

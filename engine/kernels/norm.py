@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels import next_power_of_2, use_triton
-from engine.kernels.pdl import pdl
+from engine.kernels.pdl import pdl_args
 
 try:
     import triton
@@ -88,7 +88,7 @@ def rms_norm_triton(x, weight, eps, residual=None):
             out, res_out, x, residual if residual is not None else x, weight,
             inner, sx0, sx1, sr0, sr1, D, eps,
             HAS_RESIDUAL=residual is not None, BLOCK_D=next_power_of_2(D), num_warps=4 if D >= 1024 else 1,
-            PDL=pdl(), launch_pdl=pdl(),
+            **pdl_args(),
         )
     return out if residual is None else (out, res_out)
 

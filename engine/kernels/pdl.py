@@ -10,7 +10,7 @@ wait: the small-M linear loads its first weight tile there, so the memory latenc
 previous kernel's tail. Kernels not launched with PDL (cuBLAS, torch ops) serialize as usual, and
 griddepcontrol.wait returns at once when there is nothing to wait for.
 
-    kernel[grid](..., PDL=pdl(), launch_pdl=pdl())     and in the kernel:  wait_inputs(PDL)
+    kernel[grid](..., **pdl_args())     and in the kernel (a `PDL: tl.constexpr` parameter):  wait_inputs(PDL)
 """
 
 from __future__ import annotations
@@ -35,6 +35,12 @@ def pdl() -> bool:
     if os.environ.get("ROLLOUT_PDL", "1") == "0" or triton is None or not _HAS_GDC or not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability()[0] >= 9
+
+
+def pdl_args() -> dict:
+    """The launch's keyword arguments: the kernel's PDL constexpr, and launch_pdl when on (only then, so
+    launchers that do not know the option, Triton's interpreter among them, never see it)."""
+    return {"PDL": True, "launch_pdl": True} if pdl() else {"PDL": False}
 
 
 if triton is not None:

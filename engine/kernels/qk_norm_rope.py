@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels import next_power_of_2, use_triton
-from engine.kernels.pdl import pdl
+from engine.kernels.pdl import pdl_args
 from engine.kernels.norm import rms_norm_ref
 from engine.kernels.rotary import rotary_embedding_ref
 
@@ -121,7 +121,7 @@ def qk_norm_rope_triton(positions, q, k, q_weight, k_weight, eps, cos_cache, sin
             q, k, positions, q_weight, k_weight, cos_cache, sin_cache,
             q.stride(0), k.stride(0), cos_cache.stride(0), num_q_heads, num_k_heads, eps,
             HALF=half, BLOCK_H=next_power_of_2(max(num_q_heads, num_k_heads)),
-            BLOCK_HALF=next_power_of_2(half), num_warps=4, PDL=pdl(), launch_pdl=pdl(),
+            BLOCK_HALF=next_power_of_2(half), num_warps=4, **pdl_args(),
         )
     return q, k
 

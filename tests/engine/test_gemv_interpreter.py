@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import next_power_of_2
-from engine.kernels.gemv import MAX_M, linear, pick_config, split_k_range
+from engine.kernels.gemv import CONFIG_TABLE, MAX_M, linear, measured_faster, pick_config, split_k_range
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,6 +35,14 @@ def test_pick_config_is_launchable(m, n, k):
         assert cfg.block_n >= 16 and cfg.block_k >= 16
     k_per_split, split = split_k_range(k, cfg.block_k, cfg.split_k)
     assert k_per_split % cfg.block_k == 0 and (split - 1) * k_per_split < k <= split * k_per_split
+
+
+def test_the_kernel_takes_one_row_always_and_more_rows_only_where_it_was_measured_faster():
+    assert all(measured_faster(1, n, k) for n, k in SHAPES)
+    assert measured_faster(8, 3584, 18944) and measured_faster(3, 1024, 2048)  # listed: buckets 8 and 4
+    assert not measured_faster(8, 4608, 3584)  # Qwen2.5-7B qkv: cuBLAS was faster at 4-16 rows
+    assert not measured_faster(16, 4096, 1024)  # Qwen3-0.6B qkv: likewise
+    assert all(cfg.use_dot and m > 1 for (m, _, _), cfg in CONFIG_TABLE.items())  # M > 1 runs the dot tile
 
 
 def test_split_k_range_whole_tiles():

@@ -78,6 +78,9 @@ def test_fp16_and_dispatch():
         assert rel_err(out, F.linear(x.float(), w.float())) < BF16_REL
         big = torch.randn(MAX_M + 1, 8960, device=DEV, dtype=torch.float16)
         assert torch.equal(linear(big, w), F.linear(big, w))  # past MAX_M: cuBLAS, untouched
+        w_qkv = torch.randn(4608, 3584, device=DEV, dtype=torch.float16) / 3584**0.5  # cuBLAS won at 4-16 rows
+        x8 = torch.randn(8, 3584, device=DEV, dtype=torch.float16)
+        assert torch.equal(linear(x8, w_qkv), F.linear(x8, w_qkv))  # not in CONFIG_TABLE: cuBLAS, untouched
         x32 = torch.randn(2, 8960, device=DEV)
         assert torch.equal(linear(x32, w.float()), F.linear(x32, w.float()))  # fp32: cuBLAS
 
