@@ -19,12 +19,11 @@ Negative: our default wire ("rollout") is refused by vLLM's dataclass at the rou
 from __future__ import annotations
 
 import dataclasses
-import threading
-import time
 import types
 
 import pytest
 import torch
+from asgi_thread import serve_in_thread
 
 from weight_transfer.clients import HTTPWeightSyncClient, WeightSyncError
 
@@ -152,24 +151,14 @@ def vllm(vllm_import):
 @pytest.fixture(scope="module")
 def vllm_server(vllm):
     """vLLM's RL router on a loopback port, our recording engine client behind it."""
-    import uvicorn
     from fastapi import FastAPI
 
     app = FastAPI()
     app.include_router(vllm["router"].router)
     recorder = RecordingEngineClient(vllm)
     app.state.engine_client = recorder
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started, "uvicorn did not start"
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield types.SimpleNamespace(url=f"http://127.0.0.1:{port}", recorder=recorder)
-    server.should_exit = True
-    thread.join(10)
+    with serve_in_thread(app) as url:
+        yield types.SimpleNamespace(url=url, recorder=recorder)
 
 
 @pytest.fixture

@@ -7,10 +7,10 @@ reusing that kept-alive connection races the close and can fail with "connection
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import pytest
+from asgi_thread import serve_in_thread
 from fastapi import FastAPI, HTTPException, Request
 
 from weight_transfer.clients import HTTPWeightSyncClient, WeightSyncError
@@ -18,8 +18,6 @@ from weight_transfer.clients import HTTPWeightSyncClient, WeightSyncError
 
 @pytest.fixture(scope="module")
 def server():
-    import uvicorn
-
     app = FastAPI()
     seen: list[int] = []  # the client port of each weight_info call
 
@@ -46,17 +44,8 @@ def server():
     handler = SlowErrorLog(logging.ERROR)
     log.addHandler(handler)
     log.propagate, log.level = False, logging.ERROR
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="off"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert srv.started, "uvicorn did not start"
-    port = srv.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", seen
-    srv.should_exit = True
-    thread.join(10)
+    with serve_in_thread(app, log_config=None, log_level=None) as url:
+        yield url, seen
     log.removeHandler(handler)
     log.propagate = True
 
