@@ -36,6 +36,7 @@ from engine.exceptions import (
     MaxQueuedTokensError,
     QueueOverflowError,
 )
+from engine.lora.names import LoRAAdapters, check_lora_adapter_layout
 from engine.lora.request import LoRARequest
 from engine.metrics.loggers import StatLoggerManager
 from engine.output_processor import OutputProcessor
@@ -99,6 +100,7 @@ class AsyncLLM:
         # Adapters the engine validated for this frontend's requests (most recent last): a request naming one
         # goes straight in; if the engine has forgotten it meanwhile, it validates it again on arrival.
         self._checked_loras: OrderedDict[LoRARequest, None] = OrderedDict()
+        self.lora_adapters = LoRAAdapters(self.model_name)  # the adapters served by name (load_lora_adapter)
         self._ids = itertools.count()
 
     @classmethod
@@ -430,6 +432,18 @@ class AsyncLLM:
                 await self._control("resume_generation")
             return
         await self._control("sleep", level, mode)
+
+    # ---- LoRA adapters by name (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter) ---------------
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, load_inplace: bool = False,
+                                is_3d_lora_weight: bool = False) -> None:
+        """Loads the adapter (add_lora) and serves it under lora_name (self.lora_adapters); see the control."""
+        check_lora_adapter_layout(is_3d_lora_weight)
+        await self.lora_adapters.load(lora_name, lora_path, load_inplace, add=self.add_lora, remove=self.remove_lora)
+
+    async def unload_lora_adapter(self, lora_name: str, lora_int_id: int | None = None) -> None:
+        """Stops serving the adapter by that name (remove_lora); LoRAAdapterNotFoundError for an unknown name."""
+        await self.lora_adapters.unload(lora_name, remove=self.remove_lora)
 
     async def is_scaling_elastic_ep(self) -> dict[str, Any]:
         """Always idle: only a lockstep RolloutGroup changes its size."""

@@ -148,13 +148,15 @@ class Route:
     constant: tuple[tuple[str, Any], ...] = ()  # fixed keys of the answer, e.g. vLLM's {"status": "paused"}
     wire: tuple[tuple[str, str], ...] = ()  # (argument, its name over HTTP) where vLLM's name differs from Python's
     answer: Callable[[Any, dict[str, Any]], dict[str, Any]] | None = None
+    text: Callable[[Any, dict[str, Any]], str] | None = None  # the answer is this plain-text body instead of JSON,
+    # built from (result, the arguments by wire name): vLLM's LoRA routes answer a sentence
     read: Callable[[dict[str, Any]], Any] | None = None  # a client's result from an `answer`-built answer
     background: bool = False  # validate, answer at once (vLLM's 202 {"message", "request_id"}), run the call after
     metric: tuple[Literal["weight", "sleep_mode"], str] | None = None  # vLLM's operation family and label the
     # route's call is timed under (engine/metrics/rl.py), failed calls included, as vLLM's routes do
     status_code: int = 200
     errors: tuple[int, ...] = ()  # statuses beyond 400/401/503 the route may answer (documented in OpenAPI)
-    router: Literal["rl", "fault_tolerance", "fault_injection"] = "rl"  # which flag mounts it
+    router: Literal["rl", "fault_tolerance", "fault_injection", "lora"] = "rl"  # which flag mounts it
 
     def wire_name(self, argument: str) -> str:
         return dict(self.wire).get(argument, argument)
@@ -347,6 +349,37 @@ class EngineControls(Protocol):
     @control(Combine.FIRST, route=None)
     async def list_loras(self) -> list[int]:
         """The lora_int_ids of the adapters held, ascending (a group: engine 0's; add_lora loads on every engine)."""
+
+    # vLLM's server routes over the same adapters, by name (engine/lora/names.py); mounted with
+    # --allow-runtime-lora-updating (or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), answers as vLLM's.
+
+    @control(Combine.OWN, where=Where.FRONTEND, route=Route(
+        path="/v1/load_lora_adapter", router="lora", errors=(404,),
+        text=lambda _, args: f"Success: LoRA adapter '{args['lora_name']}' added successfully."))
+    async def load_lora_adapter(
+        self,
+        lora_name: Annotated[str, Arg("the name requests select the adapter by (their `model`)")],
+        lora_path: Annotated[str, Arg(
+            "its PEFT adapter directory (over HTTP: inside the server's --allowed-lora-paths)")],
+        load_inplace: Annotated[bool, Arg("replace the adapter already loaded under lora_name")] = False,
+        is_3d_lora_weight: Annotated[bool, Arg("vLLM's MoE adapter layout; only false (no MoE LoRA here)")] = False,
+    ) -> None:
+        """Reads and validates the adapter (add_lora, under the next free lora_int_id) and serves it under
+        lora_name: /v1/models lists it, and a request whose `model` is lora_name runs with it. ValueError
+        naming the problem, and nothing changes: as add_lora's, and (InvalidUserInputError) a name already
+        loaded without load_inplace or the base model's name. A reload takes a new id: running requests
+        finish with the old adapter."""
+
+    @control(Combine.OWN, where=Where.FRONTEND, route=Route(
+        path="/v1/unload_lora_adapter", router="lora", errors=(404,),
+        text=lambda _, args: f"Success: LoRA adapter '{args['lora_name']}' removed successfully."))
+    async def unload_lora_adapter(
+        self,
+        lora_name: Annotated[str, Arg("the adapter's name, as load_lora_adapter was given it")],
+        lora_int_id: Annotated[int | None, Arg("accepted as vLLM's body has it; the name decides")] = None,
+    ) -> None:
+        """Stops serving the adapter by that name and forgets it (remove_lora); running requests finish with it.
+        LoRAAdapterNotFoundError (HTTP 404) when no adapter has the name."""
 
     # ---- weight updates (the lifecycle: init, start, update..., finish or abort, shutdown)
 

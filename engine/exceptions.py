@@ -60,3 +60,16 @@ class PeerTimeoutError(TimeoutError):
     answer within its timeout; nothing changed in the engine (HTTP 504, the message names the peer)."""
 
     http_status = 504
+
+
+class InvalidUserInputError(ValueError):
+    """A request that conflicts with what is loaded (a LoRA name already in use, or the base model's):
+    HTTP 400 with vLLM's error type for it, "InvalidUserInput"."""
+
+    error_type = "InvalidUserInput"
+
+
+class LoRAAdapterNotFoundError(LookupError):
+    """No LoRA adapter by this name is loaded, or none is at the path given (HTTP 404, vLLM's NotFoundError)."""
+
+    http_status = 404

@@ -58,6 +58,8 @@ from engine.control import (
 )
 from engine.engine_args import create_engine_config
 from engine.exceptions import EngineDeadError
+from engine.lora.names import LoRAAdapters, check_lora_adapter_layout
+from engine.lora.request import LoRARequest
 from engine.metrics.loggers import LoggingStatLogger
 from engine.metrics.multi_engine import MultiEngineMetrics
 from engine.metrics.prometheus import PREFIX
@@ -160,6 +162,9 @@ class RolloutGroup:
         self._ids = itertools.count()
         self.num_routable = len(self.engines)  # requests go to engines [0, num_routable) (elastic EP drains the rest)
         self.elastic = None  # rollout.elastic_ep.ElasticEP of a lockstep group from from_engine_args
+        # The adapters served by name: loaded on every engine (add_lora), so any engine can run a request
+        # naming one (an engine added later reads it on the first such request).
+        self.lora_adapters = LoRAAdapters(self.model_name)
 
     def _attach(self, index: int, engine: AsyncLLM) -> None:
         """Feeds engine `index`'s stats to the coordinator (the balancer's secondary load) and names it in its log line."""
@@ -246,10 +251,12 @@ class RolloutGroup:
         request_id: str | None = None,
         priority: int = 0,
         admission: Admission | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """AsyncLLM.generate on the engine the balancer picks; leaving early aborts the request there.
 
-        `admission`: as in AsyncLLM.generate (from this group's admit()); None takes one here."""
+        `admission`, `lora_request`: as in AsyncLLM.generate (admission from this group's admit()); None
+        takes one here."""
         request_id = request_id or f"req-{next(self._ids)}"
         self.processor.check_params(sampling_params, priority)  # before any tokenization
         admission = admission if admission is not None else self.admit(sampling_params.n)
@@ -269,7 +276,8 @@ class RolloutGroup:
         self._owners[request_id] = index
         self.balancer.started(index, cost, token_ids)
         # The engine's generate releases the place (it may be another engine's: it is only held until tokenized).
-        outputs = self.engines[index].generate(routed_prompt, sampling_params, request_id, priority, admission)
+        outputs = self.engines[index].generate(routed_prompt, sampling_params, request_id, priority, admission,
+                                               lora_request)
         try:
             async for out in outputs:
                 yield out
@@ -411,6 +419,18 @@ class RolloutGroup:
         """True if every engine reset; the balancer forgets which engine holds which prefix."""
         self.balancer.forget_prefixes()
         return all(await self._fan_out("reset_prefix_cache", reset_running_requests, reset_connector))
+
+    # ---- LoRA adapters by name ------------------------------------------------------------------
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, load_inplace: bool = False,
+                                is_3d_lora_weight: bool = False) -> None:
+        """AsyncLLM.load_lora_adapter for the group: every engine reads the adapter (add_lora), the group keeps the name."""
+        check_lora_adapter_layout(is_3d_lora_weight)
+        await self.lora_adapters.load(lora_name, lora_path, load_inplace, add=self.add_lora, remove=self.remove_lora)
+
+    async def unload_lora_adapter(self, lora_name: str, lora_int_id: int | None = None) -> None:
+        """AsyncLLM.unload_lora_adapter for the group: every engine forgets the adapter."""
+        await self.lora_adapters.unload(lora_name, remove=self.remove_lora)
 
     # ---- elastic expert parallelism (rollout/elastic_ep.py) ----------------------------------------
 

@@ -177,9 +177,12 @@ class _WorkerBackend(_Backend):
 
 
 def check_response(response, path: str) -> Any:
-    """The JSON body; a 4xx is a ValueError (the request's fault), any other error a RuntimeError, with the server's message."""
+    """The JSON body (a text one as text: vLLM's LoRA routes answer a sentence); a 4xx is a ValueError (the
+    request's fault), any other error a RuntimeError, with the server's message."""
     if response.status_code < 400:
-        return response.json() if response.content else {}
+        if not response.content:
+            return {}
+        return response.text if response.headers.get("content-type", "").startswith("text/plain") else response.json()
     try:
         detail = response.json()
         message = detail.get("error", {}).get("message") or detail.get("detail") or response.text

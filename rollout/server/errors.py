@@ -24,6 +24,8 @@ from engine.exceptions import (
     AdmissionError,
     EngineDeadError,
     EngineNotReadyError,
+    InvalidUserInputError,
+    LoRAAdapterNotFoundError,
     PeerTimeoutError,
     WeightTransferError,
 )
@@ -170,6 +172,14 @@ def add_exception_handlers(app: FastAPI) -> None:
         if _refused_by_route(request):
             return error_response(400, str(exc), type=PHRASE)
         return error_response(400, str(exc), _param_of(exc))
+
+    @app.exception_handler(InvalidUserInputError)
+    async def _invalid_user_input(request: Request, exc: InvalidUserInputError) -> JSONResponse:
+        return error_response(400, str(exc), type=exc.error_type)  # vLLM's LoRA route refusals
+
+    @app.exception_handler(LoRAAdapterNotFoundError)
+    async def _no_adapter(request: Request, exc: LoRAAdapterNotFoundError) -> JSONResponse:
+        return error_response(404, str(exc))
 
     @app.exception_handler(P.ParamValidationError)
     async def _param_validation(request: Request, exc: P.ParamValidationError) -> JSONResponse:

@@ -1,12 +1,12 @@
-"""The RL control routes (pause/resume, sleep/wake_up, aborts, weight updates, fault tolerance), built from the control declaration.
+"""The control routes (pause/resume, sleep/wake_up, aborts, weight updates, fault tolerance, LoRA adapters), built from the control declaration.
 
 Every control of engine/control.py with a `Route` becomes one route over the engine's method
 of the same name: its arguments as query parameters or as a JSON body (a typed model, unknown
 fields refused), its answer the result under the route's `field`, joined by the answers of the
 route's `then` controls. Nothing from the network is unpickled; bad values are a 400 naming the
 field, and the engine validates before it changes any state. Bodies, query flags and answers are
-vLLM 0.33's (its rl, dev and fault-tolerance routers); our additions only add keys and routes. build_app mounts each router only
-when enabled (--enable-rl-routes, --enable-fault-tolerance, --enable-fault-injection), behind the
+vLLM 0.33's (its rl, dev, fault-tolerance and LoRA routers); our additions only add keys and routes. build_app mounts each router only
+when enabled (--enable-rl-routes, --enable-fault-tolerance, --enable-fault-injection, --allow-runtime-lora-updating), behind the
 API key like the OpenAI routes.
 """
 
@@ -26,6 +26,7 @@ from typing import Any, Callable, Literal, Union, get_args, get_origin
 
 import pydantic
 from fastapi import APIRouter, Query
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from engine.control import CONTROLS, Control, arg_info
 from engine.core_client import check_fault_tolerance_instruction
@@ -42,6 +43,7 @@ _ROUTERS = {
     "rl": dict(tags=["rl"]),
     "fault_tolerance": dict(tags=["fault_tolerance"]),
     "fault_injection": dict(tags=["fault_tolerance"]),
+    "lora": dict(tags=["lora"]),
 }
 
 # A check the server adds before a control runs (e.g. the backend --weight-transfer-backend allows),
@@ -90,6 +92,8 @@ def _add_route(router: APIRouter, engine, declared: Control, check: Check | None
         args = tuple(arguments[wire(name)] for name in declared.arg_names())
         if route.background:
             return _in_background(engine, declared, args, route)
+        if route.text is not None:
+            return PlainTextResponse(route.text(await getattr(engine, declared.name)(*args), arguments))
         return await _answer(engine, declared, args, arguments)
 
     parameters = [
@@ -104,12 +108,18 @@ def _add_route(router: APIRouter, engine, declared: Control, check: Check | None
     endpoint.__signature__ = inspect.Signature(parameters, return_annotation=answer_model)
     endpoint.__name__ = declared.name
     endpoint.__doc__ = declared.doc
+    responses = error_responses(*_ENGINE_ERRORS, *route.errors)
+    if route.text is not None:
+        responses[route.status_code] = {"description": "Success (a sentence)", "content": _TEXT}
     router.add_api_route(
         route.path or f"/{declared.name}", endpoint, methods=[route.verb], status_code=route.status_code,
         response_model=answer_model, response_model_exclude_unset=True,  # an absent NotRequired key stays absent
-        responses=error_responses(*_ENGINE_ERRORS, *route.errors),
+        response_class=PlainTextResponse if route.text is not None else JSONResponse, responses=responses,
         summary=declared.name.replace("_", " ").capitalize(),
     )
+
+
+_TEXT = {"text/plain": {"schema": {"type": "string"}}}
 
 
 _BACKGROUND: set[asyncio.Task] = set()  # running background calls (a task nobody holds may be collected)
@@ -209,6 +219,8 @@ def _body_model(declared: Control, params: list[inspect.Parameter]) -> type[Requ
 def _answer_model(declared: Control) -> Any:
     """A typed model of the answer's keys, or dict[str, Any] when a dict result is part of it."""
     route = declared.route
+    if route.text is not None:
+        return None
     if route.answer is not None:
         return dict[str, Any]
     if route.background:
