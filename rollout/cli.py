@@ -78,6 +78,10 @@ def launch_command(args: argparse.Namespace) -> int:
         engine_kwargs.update(dataclass_kwargs(args, cls))
     try:
         server_config = ServerConfig(**dataclass_kwargs(args, ServerConfig))
+        if runtime_lora_updating_from_env():
+            server_config.allow_runtime_lora_updating = True
+        if server_config.lora_modules and not engine_kwargs.get("enable_lora"):
+            raise ValueError("--lora-modules needs --enable-lora")
         served_name = server_config.served_model_name or hub_repo_id(engine_kwargs["model"])
         engine_kwargs["model"] = resolve_model(engine_kwargs["model"])
         spec = engine_kwargs.get("speculative_config")
@@ -101,6 +105,11 @@ def launch_command(args: argparse.Namespace) -> int:
     # uvloop's event loop (as uvicorn's "auto" picks): request handling is most of a refusal's cost.
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(_serve(engine_kwargs, server_config, served_name, data_parallel_size))
+
+
+def runtime_lora_updating_from_env() -> bool:
+    """vLLM's switch for its LoRA load/unload routes, honoured beside --allow-runtime-lora-updating (vLLM's parse)."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
 
 
 def _loop_factory():
@@ -170,6 +179,7 @@ async def _serve(
     engine_kwargs: dict[str, Any], server_config: ServerConfig, served_name: str, data_parallel_size: int = 1
 ) -> int:
     from rollout.server.app import build_app
+    from rollout.server.lora import load_lora_modules, parse_lora_modules
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -180,6 +190,11 @@ async def _serve(
     try:
         if stop.is_set():
             return 0
+        try:
+            await load_lora_modules(engine, parse_lora_modules(server_config.lora_modules), served_name)
+        except ValueError as e:
+            print(f"rollout launch: error: {e}", file=sys.stderr)
+            return 2
         server = _Server(build_app(engine, server_config, model_name=served_name), server_config)
         # What start-up made (torch, transformers, the tokenizer, the app) lives as long as the server:
         # out of the collector's view, a full collection under load walks only what requests made

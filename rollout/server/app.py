@@ -18,6 +18,8 @@ from engine.config import EngineConfig
 from engine.engine_args import num_routed_experts
 from engine.control import EngineControls
 from engine.exceptions import EngineDeadError
+from engine.lora.names import LoRAAdapters
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.processor import Processor, PromptType
 from engine.sampling_params import SamplingParams
@@ -28,6 +30,7 @@ from rollout.server.config import ServerConfig
 from rollout.server.elastic_routes import elastic_router, vllm_elastic_router
 from rollout.server.errors import ERROR_TYPES, ModelNotFoundError, add_exception_handlers, error_response
 from rollout.server.generate_routes import generate_router
+from rollout.server.lora import LoRAPathPolicy
 from rollout.server.middleware import (
     AdmissionMiddleware,
     AuthMiddleware,
@@ -52,12 +55,14 @@ class ServedEngine(EngineControls, Protocol):
     model_name: str
     tokenizer: Any
     processor: Processor
+    lora_adapters: LoRAAdapters  # the adapters served by name (load_lora_adapter)
 
     @property
     def is_dead(self) -> bool: ...
 
     def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None,
-                 priority: int = 0, admission: Admission | None = None) -> AsyncIterator[RequestOutput]: ...
+                 priority: int = 0, admission: Admission | None = None,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]: ...
 
     def admit(self, num_requests: int) -> Admission: ...
 
@@ -94,10 +99,19 @@ class ServerState:
             return params.clone(return_routed_experts=True)
         return params
 
-    def check_model(self, model: str | None) -> None:
-        # An absent model means "the one you serve", as vLLM does.
-        if model is not None and model != self.model_name:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter that `model` names, None for the base model (an absent model means the base model, as
+        vLLM); ModelNotFoundError (404, vLLM's words: only the base model is named) for any other name."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.engine.lora_adapters.get(model)
+        if lora is None:
             raise ModelNotFoundError(f"The model `{model}` does not exist. Valid aliases: {self.model_name}.")
+        return lora
+
+    def served_name(self, lora: LoRARequest | None) -> str:
+        """The `model` of an answer: the adapter's name, or the base model's (as vLLM answers)."""
+        return lora.lora_name if lora is not None else self.model_name
 
 
 # ---------------------------------------------------------------------------- generation helpers
@@ -117,25 +131,28 @@ async def _final_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
     return final
 
 
-def _start_generation(state: ServerState, prompts: list, params, req_id: str, priority: int):
+def _start_generation(state: ServerState, prompts: list, params, req_id: str, priority: int,
+                      lora: LoRARequest | None = None):
     """(one generate() iterator per prompt, their admission): what the request asks for is bounded
     (n, priority, prompts x n: 400) and its places in the engine's queue are taken now, on arrival
-    (AdmissionError: 503 at once), before any iterator starts."""
+    (AdmissionError: 503 at once), before any iterator starts. `lora`: the adapter every prompt runs with."""
     state.engine.processor.check_params(params, priority)
     state.check_batch(len(prompts), params.n)
     admission = state.engine.admit(len(prompts) * params.n)
     gens = [
-        state.engine.generate(prompt, params, f"{req_id}-{i}" if len(prompts) > 1 else req_id, priority, admission)
+        state.engine.generate(prompt, params, f"{req_id}-{i}" if len(prompts) > 1 else req_id, priority, admission,
+                              lora)
         for i, prompt in enumerate(prompts)
     ]
     return gens, admission
 
 
 async def _generate_all(
-    request: Request, state: ServerState, prompts: list, params, req_id: str, priority: int
+    request: Request, state: ServerState, prompts: list, params, req_id: str, priority: int,
+    lora: LoRARequest | None = None,
 ) -> list[RequestOutput]:
     """Runs every prompt to its final output; a disconnect or any failure cancels (aborts) the rest."""
-    gens, admission = _start_generation(state, prompts, params, req_id, priority)
+    gens, admission = _start_generation(state, prompts, params, req_id, priority, lora)
     try:
         return await run_until_disconnect(request, [_final_output(g) for g in gens])
     finally:
@@ -208,7 +225,7 @@ class _ChoiceStream:
 
 
 async def _stream_completions(
-    state: ServerState, body: P.CompletionRequest, req_id: str, gens: list, firsts: list
+    state: ServerState, body: P.CompletionRequest, req_id: str, gens: list, firsts: list, model: str
 ) -> AsyncIterator[str]:
     created, n = int(time.time()), body.n
     streams: dict[int, _ChoiceStream] = {}  # by choice index
@@ -261,10 +278,10 @@ async def _stream_completions(
                     )
                 )
             if choices:
-                yield F.sse(P.CompletionResponse(id=req_id, created=created, model=state.model_name, choices=choices))
+                yield F.sse(P.CompletionResponse(id=req_id, created=created, model=model, choices=choices))
         if body.include_usage_in_stream:
             final = P.CompletionResponse(
-                id=req_id, created=created, model=state.model_name, choices=[],
+                id=req_id, created=created, model=model, choices=[],
                 usage=F.usage(list(prompt_lens.values()), num_completion_tokens),
             )
             yield F.sse(final)
@@ -274,7 +291,7 @@ async def _stream_completions(
 
 
 async def _stream_chat(
-    state: ServerState, body: P.ChatCompletionRequest, req_id: str, gens: list, firsts: list, prefix: str
+    state: ServerState, body: P.ChatCompletionRequest, req_id: str, gens: list, firsts: list, prefix: str, model: str
 ) -> AsyncIterator[str]:
     created, num_top = int(time.time()), body.top_logprobs or 0
     num_completion_tokens, prompt_len = 0, 0
@@ -282,7 +299,7 @@ async def _stream_chat(
     parsers: dict[int, chat_tools.ChoiceParser] = {}
 
     def chunk(choices, **extra) -> str:
-        return F.sse(P.ChatCompletionChunk(id=req_id, created=created, model=state.model_name, choices=choices, **extra))
+        return F.sse(P.ChatCompletionChunk(id=req_id, created=created, model=model, choices=choices, **extra))
 
     try:
         # Every choice starts with the assistant role, as OpenAI's stream does.
@@ -339,10 +356,11 @@ def _sse_error(e: Exception) -> str:
     return f"data: {body.model_dump_json()}\n\n"
 
 
-async def _open_streams(request: Request, state: ServerState, prompts: list, params, req_id: str, priority: int):
+async def _open_streams(request: Request, state: ServerState, prompts: list, params, req_id: str, priority: int,
+                        lora: LoRARequest | None = None):
     """Starts one DELTA generate() per prompt and waits for each one's first output, so that bad
     input and admission errors become a proper HTTP status before any streamed byte."""
-    gens, admission = _start_generation(state, prompts, params, req_id, priority)
+    gens, admission = _start_generation(state, prompts, params, req_id, priority, lora)
     try:
         firsts = await run_until_disconnect(request, [first_outputs(gens)])
     finally:
@@ -393,12 +411,15 @@ def build_app(engine: ServedEngine, server_config: ServerConfig, model_name: str
     app.include_router(_api_routes(state))
     app.include_router(generate_router(state))  # /inference/v1/generate
     # Control routes exist only when asked for (docs/architecture.md: RL and weight routes are off by default).
-    routers = control_routers(engine, checks={"init_weight_transfer_engine": _backend_check(server_config)})
+    routers = control_routers(engine, checks={"init_weight_transfer_engine": _backend_check(server_config),
+                                              "load_lora_adapter": LoRAPathPolicy(server_config.allowed_lora_paths).check})
     if server_config.enable_rl_routes:
         app.include_router(routers["rl"])
         app.include_router(elastic_router(engine))
         app.include_router(vllm_elastic_router(engine))
         app.include_router(server_info_router(engine))
+    if server_config.allow_runtime_lora_updating:  # vLLM mounts them only with VLLM_ALLOW_RUNTIME_LORA_UPDATING
+        app.include_router(routers["lora"])
     if engine.config.fault_tolerance.enable_fault_tolerance:
         app.include_router(routers["fault_tolerance"])
         if engine.config.fault_tolerance.enable_fault_injection:  # tests only
@@ -503,30 +524,33 @@ def _api_routes(state: ServerState) -> APIRouter:
     async def models() -> P.ModelList:
         card = P.ModelCard(id=state.model_name, root=engine.config.model.model, max_model_len=state.max_model_len,
                            parent=None)
-        return P.ModelList(data=[card])
+        # vLLM's adapter cards: the adapter's directory as root, the base model as parent, no max_model_len.
+        adapters = [P.ModelCard(id=lora.lora_name, root=lora.lora_path, parent=state.model_name)
+                    for lora in engine.lora_adapters.all()]
+        return P.ModelList(data=[card, *adapters])
 
     generation_errors = {**error_responses(404, 503), 200: {"content": _STREAM}}
 
     @router.post("/v1/completions", response_model=P.CompletionResponse, responses=generation_errors)
     async def completions(body: P.CompletionRequest, request: Request):
-        state.check_model(body.model)
+        lora = state.check_model(body.model)
         prompts = body.prompts()
         params = state.with_server_defaults(body.to_sampling_params(state.max_model_len))
         req_id = _request_id("cmpl")
         if body.stream:
-            gens, firsts = await _open_streams(request, state, prompts, params, req_id, body.priority)
-            return _streaming_response(_stream_completions(state, body, req_id, gens, firsts))
-        outputs = await _generate_all(request, state, prompts, params, req_id, body.priority)
+            gens, firsts = await _open_streams(request, state, prompts, params, req_id, body.priority, lora)
+            return _streaming_response(_stream_completions(state, body, req_id, gens, firsts, state.served_name(lora)))
+        outputs = await _generate_all(request, state, prompts, params, req_id, body.priority, lora)
         choices = _completion_choices(state, body, outputs)
         num_completion = sum(len(c.token_ids) for out in outputs for c in out.outputs)
         return P.CompletionResponse(
-            id=req_id, model=state.model_name, choices=choices, system_fingerprint=SYSTEM_FINGERPRINT,
+            id=req_id, model=state.served_name(lora), choices=choices, system_fingerprint=SYSTEM_FINGERPRINT,
             usage=F.usage([len(o.prompt_token_ids) for o in outputs], num_completion),
         )
 
     @router.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses=generation_errors)
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
-        state.check_model(body.model)
+        lora = state.check_model(body.model)
         state.chat.check_request(body)
         prefix = state.chat.forced_prefix(body)
         prompt = await _chat_prompt(state, body, prefix)
@@ -535,9 +559,9 @@ def _api_routes(state: ServerState) -> APIRouter:
         params = state.chat.sampling_params(body, params)
         req_id = _request_id("chatcmpl")
         if body.stream:
-            gens, firsts = await _open_streams(request, state, [prompt], params, req_id, body.priority)
-            return _streaming_response(_stream_chat(state, body, req_id, gens, firsts, prefix))
-        (out,) = await _generate_all(request, state, [prompt], params, req_id, body.priority)
+            gens, firsts = await _open_streams(request, state, [prompt], params, req_id, body.priority, lora)
+            return _streaming_response(_stream_chat(state, body, req_id, gens, firsts, prefix, state.served_name(lora)))
+        (out,) = await _generate_all(request, state, [prompt], params, req_id, body.priority, lora)
         choices = []
         for c in sorted(out.outputs, key=lambda c: c.index):
             message = state.chat.choice(body, out.prompt, prefix).message(c.text)
@@ -552,7 +576,7 @@ def _api_routes(state: ServerState) -> APIRouter:
                 routed_experts=_routed_experts(state, c),
             ))
         return P.ChatCompletionResponse(
-            id=req_id, model=state.model_name, choices=choices, system_fingerprint=SYSTEM_FINGERPRINT,
+            id=req_id, model=state.served_name(lora), choices=choices, system_fingerprint=SYSTEM_FINGERPRINT,
             usage=F.usage([len(out.prompt_token_ids)], sum(len(c.token_ids) for c in out.outputs)),
             prompt_token_ids=list(out.prompt_token_ids) if body.return_token_ids else None,
             prompt_logprobs=F.prompt_logprobs_json(out.prompt_logprobs),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
@@ -56,7 +56,20 @@ class ServerConfig:
     weight_transfer_config: dict | None = None
     """vLLM's spelling of --weight-transfer-backend: a JSON object {"backend": "nccl"} (its only key, as in vLLM 0.33); it sets weight_transfer_backend, and giving both with different backends is an error."""
 
+    lora_modules: list[str] | None = None
+    """LoRA adapters served from start-up, each `name=path` or a JSON object {"name", "path", "base_model_name"} (vLLM's flag and forms); a request selects one by its name in `model`, and /v1/models lists them. Needs --enable-lora; ids are given in this order from 1."""
+    allow_runtime_lora_updating: bool = False
+    """Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 or true in rollout launch's environment turns them on too, as in vLLM). Whoever reaches them changes what `model` names serve: keep them behind --api-key."""
+    allowed_lora_paths: list[str] = field(default_factory=list)
+    """Directories /v1/load_lora_adapter may read adapters from: a lora_path must lie inside one once symlinks and '..' are resolved, else it is refused (400) before anything is opened; * allows any path the server can read (vLLM's behaviour). Default: none, so runtime loads are refused until you list some. --lora-modules are not checked."""
+
     def __post_init__(self) -> None:
+        from rollout.server.lora import parse_lora_modules
+
+        parse_lora_modules(self.lora_modules)  # ValueError naming a bad entry
+        if not isinstance(self.allowed_lora_paths, list) or not all(
+                isinstance(p, str) and p for p in self.allowed_lora_paths):
+            raise ValueError(f"allowed_lora_paths: expected directory paths or *, got {self.allowed_lora_paths!r}")
         if self.weight_transfer_config is not None:
             config = self.weight_transfer_config
             unknown = sorted(set(config) - {"backend"})

@@ -232,15 +232,15 @@ def generate_router(state) -> APIRouter:
     @router.post("/inference/v1/generate", response_model=GenerateResponse,
                  responses={**error_responses(404, 503), 200: {"content": _STREAM}})
     async def generate(body: GenerateRequest, request: Request):
-        state.check_model(body.model)
+        lora = state.check_model(body.model)
         body.check_supported()
         params = state.with_server_defaults(body.to_sampling_params(state.max_model_len))
         req_id = body.request_id or _request_id("gen")
         prompt = {"prompt_token_ids": list(body.token_ids)}
         if body.stream:
-            gens, firsts = await _open_streams(request, state, [prompt], params, req_id, body.priority)
+            gens, firsts = await _open_streams(request, state, [prompt], params, req_id, body.priority, lora)
             return _streaming_response(stream(body, params, req_id, gens, firsts))
-        (out,) = await _generate_all(request, state, [prompt], params, req_id, body.priority)
+        (out,) = await _generate_all(request, state, [prompt], params, req_id, body.priority, lora)
         choices = [
             GenerateChoice(
                 index=c.index, finish_reason=F.finish_reason(c.finish_reason) or "stop", stop_reason=c.stop_reason,
@@ -251,7 +251,7 @@ def generate_router(state) -> APIRouter:
             for c in sorted(out.outputs, key=lambda c: c.index)
         ]
         response = GenerateResponse(
-            request_id=req_id, model=state.model_name, created=int(time.time()), output_mode=body.output_mode,
+            request_id=req_id, model=state.served_name(lora), created=int(time.time()), output_mode=body.output_mode,
             usage=F.usage([len(out.prompt_token_ids)], sum(len(c.token_ids) for c in out.outputs)),
             prompt_logprobs=F.prompt_logprobs_json(out.prompt_logprobs),
             prompt_token_ids=list(out.prompt_token_ids) if body.return_token_ids else None, choices=choices,

@@ -684,7 +684,7 @@ class ModelCard(ResponseModel):
     owned_by: str = "rollout-toolkit"
     root: str | None = None
     parent: str | None = None
-    """The base model of an adapter; None for a base model (this server serves one, no adapters)."""
+    """The base model of an adapter (a LoRA card: vLLM's); None for the base model itself."""
     max_model_len: int | None = None
     permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 

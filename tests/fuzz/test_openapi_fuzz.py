@@ -1,4 +1,5 @@
-"""The fuzz tier: schemathesis over /openapi.json of a real `rollout launch --enable-rl-routes --api-key` process.
+"""The fuzz tier: schemathesis over /openapi.json of a real `rollout launch --enable-rl-routes --api-key` process
+(with --enable-lora --allow-runtime-lora-updating, so that vLLM's LoRA routes are fuzzed too).
 
 With the key, every operation gets the coverage phase's cases (every documented field and its
 boundaries) and up to MAX_EXAMPLES fuzzed ones (one worker; hooks undo pause, sleep and weight
@@ -38,7 +39,9 @@ expected-statuses = ["2xx", "3xx", "4xx", "502", "503", "504"]
 
 @pytest.fixture(scope="module")
 def server(launch_server, tiny_checkpoint):
-    return launch_server(tiny_checkpoint("llama"), "--enable-rl-routes", "--api-key", API_KEY)
+    # With vLLM's LoRA load/unload routes too (no --allowed-lora-paths: every fuzzed lora_path is refused).
+    return launch_server(tiny_checkpoint("llama"), "--enable-rl-routes", "--api-key", API_KEY,
+                         "--enable-lora", "--allow-runtime-lora-updating")
 
 
 def _documented_operations(server) -> set[tuple[str, str]]:
@@ -112,6 +115,8 @@ def test_the_document_describes_the_server(server):
     assert {"200", "400", "401", "404", "413", "503"} <= set(completions)
     assert set(completions["200"]["content"]) == {"application/json", "text/event-stream"}
     assert "504" in doc["paths"]["/init_weight_transfer_engine"]["post"]["responses"]
+    load_lora = doc["paths"]["/v1/load_lora_adapter"]["post"]["responses"]
+    assert list(load_lora["200"]["content"]) == ["text/plain"] and {"400", "401", "404"} <= set(load_lora)
     r = httpx.get(server.url + "/health", timeout=30)
     assert r.status_code == 200 and r.content == b""
 
