@@ -415,16 +415,21 @@ class EngineControls(Protocol):
             'vLLM\'s WeightTransferUpdateRequest (anything with .update_info), {"update_info": {...}}, or the '
             'update_info itself: one update for the receiver; for the local backend {"weights": [{"name", '
             '"dtype", "shape", "data_b64"}]}; with "model": "draft" it lands in the draft model; a list: one '
-            "update_info per worker, in global rank order (vLLM's)", http=dict[str, Any] | list[dict[str, Any]])]) -> None:
+            "update_info per worker, in global rank order (vLLM's); with \"lora_name\" (ours) the tensors are that "
+            "loaded adapter's, PEFT-named", http=dict[str, Any] | list[dict[str, Any]])]) -> None:
         """Receives and lands one batch of tensors, each checked (name, dtype, shape, finite) before any
-        weight changes. A failed transfer (WeightTransferError, HTTP 502) ends the update and restores
-        the weights of before it. A group runs it on every engine at once (collective transports)."""
+        weight changes; an adapter's (update_info "lora_name") are checked against the adapter as loaded
+        and serve from finish_weight_update on. A failed transfer (WeightTransferError, HTTP 502) ends the
+        update and restores the weights of before it. A group runs it on every engine at once (collective
+        transports)."""
 
     @control(Combine.OWN, route=Route(constant=(("message", "Weight update finished"),), errors=(502,), metric=("weight", "finish")),
              weight_sync=True)
     async def finish_weight_update(self, weight_version: Annotated[str | None, Arg(
             "the version the new weights serve under; None keeps the engine's own numbering")] = None) -> None:
-        """Ends the update: the prefix cache is reset and the new weights serve under `weight_version`."""
+        """Ends the update: the prefix cache is reset and the new weights serve under `weight_version`. An update
+        of adapters only keeps the base model's cache and version: each synced adapter serves its new tensors
+        under `weight_version` (its own) with a fresh prefix-cache key."""
 
     @control(Combine.ANY, route=Route(field="aborted", then=("get_weight_version",)), weight_sync=True)
     async def abort_weight_update(self) -> bool:
@@ -442,7 +447,9 @@ class EngineControls(Protocol):
         """Relabels the serving weights."""
 
     @control(Combine.AGREE, route=Route("GET", field="weight_version"), weight_sync=True)
-    async def get_weight_version(self) -> str | None:
+    async def get_weight_version(self, lora_name: Annotated[str | None, Arg(
+            "an adapter's lora_name: its version instead (set by the finish_weight_update of a sync of it; "
+            '"default" until one)')] = None) -> str | None:
         """The version the serving weights have; a group's engines must agree (else WeightVersionMismatchError)."""
 
     @control(Combine.OWN, route=Route("GET"), weight_sync=True)

@@ -35,7 +35,7 @@ from engine.exceptions import EngineNotReadyError, WeightTransferError
 from engine.executor import Executor, WorkerDiedError, get_executor_class
 from engine.executor.base import OUTPUT_RANK, check_rank_baseline, combine_rank_dicts
 from engine.lora.registry import LoRARegistry
-from engine.lora.request import LoRARequest, lora_request_of
+from engine.lora.request import LoRARequest, lora_request_of, split_lora_name
 from engine.wire import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from engine.worker.worker import Worker  # the executor's rpc names worker methods by reference
 
@@ -60,6 +60,10 @@ class EngineCore:
     # Opaque label of the weights being served; stamped on every step's EngineCoreOutputs.
     weight_version: str = "default"
     _draft_update = False  # start_draft_weight_update: update_info without a "model" lands in the draft
+    # The update in progress: whether a call landed tensors in a model (target or draft), and the adapters
+    # (lora_int_ids) whose tensors it staged (update_info "lora_name"). finish acts on what it changed.
+    _model_updated = False
+    _synced_loras: frozenset[int] = frozenset()
 
     def _forward_control(self, declared: Control, args: tuple) -> Any:
         """A control the workers implement (engine/control.py: Where.WORKER): every rank runs it, and the
@@ -421,7 +425,11 @@ class EngineCore:
         self.weight_version = self._checkpoint_weight_version
         self._serving_checkpoint = True
 
-    def get_weight_version(self) -> str:
+    def get_weight_version(self, lora_name: str | None = None) -> str:
+        if lora_name is not None:
+            if not self.config.lora.enable_lora:
+                raise ValueError("lora_name: LoRA is off; start the engine with enable_lora=True (--enable-lora)")
+            return self.loras.weight_version(lora_name)
         return self.weight_version
 
     # Utilities with a deferred form: the engine process (engine/core_proc.py) calls the form named
@@ -483,6 +491,7 @@ class EngineCore:
         self.executor.rpc(Worker.start_weight_update)
         self.control.start_weight_update()
         self._draft_update = False
+        self._end_update_record()
 
     def start_draft_weight_update(self) -> None:
         """start_weight_update for the draft model: until it ends, an update_info without "model" lands in the draft."""
@@ -502,6 +511,9 @@ class EngineCore:
         between the calls of one update no request hits a block computed with older weights.
         """
         update_info = update_info_of(request)  # a list: every rank picks its own entry (Worker.update_weights)
+        lora_name, update_info = split_lora_name(update_info)
+        if lora_name is not None:
+            return self._update_lora_weights(lora_name, update_info)
         if self._draft_update:
             entries = update_info if isinstance(update_info, list) else [update_info]
             entries = [entry if "model" in entry else {**entry, "model": "draft"} for entry in entries]
@@ -511,11 +523,39 @@ class EngineCore:
         except WeightTransferError:
             self.control.end_weight_update(consistent=self._weights_consistent())
             self._draft_update = False
+            self._end_update_record()
             raise
         finally:
             self.scheduler.reset_prefix_cache()
             self.control.record_weight_call()
+        self._model_updated = True
         return num_loaded
+
+    def _update_lora_weights(self, lora_name: str, update_info: dict | list[dict]) -> int:
+        """update_weights of one adapter's PEFT-named tensors (engine/worker/lora_weight_update.py): checked
+        against the loaded adapter and staged on every rank; they serve from finish_weight_update on. The
+        prefix cache stays: nothing that serves has changed yet."""
+        if not self.config.lora.enable_lora:
+            raise ValueError("update_info.lora_name: LoRA is off; start the engine with enable_lora=True (--enable-lora)")
+        entries = update_info if isinstance(update_info, list) else [update_info]
+        if self._draft_update or any(isinstance(e, dict) and "model" in e for e in entries):
+            raise ValueError("update_info.lora_name: adapters are the target model's; an update_info naming an "
+                             "adapter cannot name a \"model\" (nor be part of a draft update)")
+        lora = self.loras.find(lora_name, "update_info.lora_name")
+        try:
+            num_received = self.executor.rpc(Worker.update_lora_weights, update_info, lora)[OUTPUT_RANK]
+        except WeightTransferError:
+            self.control.end_weight_update(consistent=self._weights_consistent())
+            self._draft_update = False
+            self._end_update_record()
+            raise
+        finally:
+            self.control.record_weight_call()
+        self._synced_loras = self._synced_loras | {lora.lora_int_id}
+        return num_received
+
+    def _end_update_record(self) -> None:
+        self._model_updated, self._synced_loras = False, frozenset()
 
     def expire_idle_weight_update(self) -> bool:
         """Aborts an update in progress whose trainer went silent (weight_update_idle_timeout_s); True if it did.
@@ -536,6 +576,7 @@ class EngineCore:
         aborted = self.executor.rpc(Worker.abort_weight_update)[OUTPUT_RANK]
         self.control.end_weight_update(consistent=self._weights_consistent())
         self._draft_update = False
+        self._end_update_record()  # staged adapter tensors were dropped: every adapter keeps its tensors and key
         return aborted
 
     @between_steps
@@ -545,6 +586,13 @@ class EngineCore:
         KV computed by the old weights never serves again: the prefix cache is reset, and
         in-flight requests (e.g. frozen by a keep-mode pause) drop their KV and recompute
         prompt + output so far with the new weights when they are next scheduled.
+
+        An update that synced only adapters (update_info "lora_name") leaves the base model's cache,
+        version and running requests alone: each synced adapter serves its new tensors from the next
+        step, under `weight_version` as its own version, with a new prefix-cache key, so no request
+        admitted from now on (nor one still waiting to start) hits a block its old tensors computed.
+        Requests already running with it go on vLLM-style: their next tokens come from the new tensors
+        over the KV cache the old ones computed (only they can hit those blocks).
         """
         if weight_version is not None:
             _checked_version("weight_version", weight_version)
@@ -556,18 +604,27 @@ class EngineCore:
                 logger.warning("EngineCore: %d weights discarded by sleep(2) are still unwritten (e.g. %s): "
                                "generation stays refused until an update writes them", len(unwritten), unwritten[:3])
         self._draft_update = False
-        self._serving_checkpoint = False
+        model_updated = self._model_updated or not self._synced_loras  # an empty update counts as the model's
+        synced = self._synced_loras
+        self._end_update_record()
         self.control.end_weight_update(consistent=True)
-        self.scheduler.recompute_running()
-        self.scheduler.reset_prefix_cache()
-        if weight_version is not None:
-            self.weight_version = weight_version
+        if model_updated:
+            self._serving_checkpoint = False
+            self.scheduler.recompute_running()
+            self.scheduler.reset_prefix_cache()
+            if weight_version is not None:
+                self.weight_version = weight_version
+        for lora_id in sorted(synced):
+            cache_key = self.loras.resync(lora_id, weight_version)
+            if cache_key is not None:
+                self.scheduler.rekey_waiting_lora(lora_id, cache_key)
 
     @between_steps
     def shutdown_weight_transfer_engine(self) -> None:
         self.executor.rpc(Worker.shutdown_weight_transfer_engine)  # aborts an update in progress
         self.control.end_weight_update(consistent=self._weights_consistent())
         self._draft_update = False
+        self._end_update_record()
 
     def _weights_consistent(self) -> bool:
         """Whether every rank's weights are of one version (a failed transfer that could not roll back leaves a mix)."""
@@ -642,6 +699,7 @@ class EngineCore:
     def remove_lora(self, lora_id: int) -> bool:
         self._check_lora_id(lora_id)
         known = self.loras.remove(lora_id)
+        self._synced_loras = self._synced_loras - {lora_id}  # a sync of it in progress goes with it
         return any(self.executor.rpc(Worker.remove_lora, lora_id)) or known
 
     def pin_lora(self, lora_id: int) -> bool:

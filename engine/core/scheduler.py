@@ -413,6 +413,19 @@ class Scheduler:
         self.requeued_req_ids.update(req_ids)
         return req_ids
 
+    def rekey_waiting_lora(self, lora_int_id: int, cache_key: int) -> int:
+        """Gives the adapter's new prefix-cache key (after a weight sync of it) to its requests that have not
+        started (status WAITING: never scheduled; a preempted one is PREEMPTED); returns how many. Those will
+        compute everything with the new weights, so they must neither hit nor fill blocks under the old key.
+        Requests that started keep theirs: their KV is partly the old adapter's, which only they may reuse."""
+        num_rekeyed = 0
+        for request in self.waiting:
+            if request.lora_int_id == lora_int_id and request.status == RequestStatus.WAITING:
+                request.lora_cache_key = cache_key
+                request.block_hashes = []  # hashed under the old key by a lookup that found no room (recomputed)
+                num_rekeyed += 1
+        return num_rekeyed
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 
 import numpy as np
@@ -16,6 +16,7 @@ from engine.lora.ops import LoRAMapping, make_lora_mapping
 from engine.lora.peft_loader import PEFTAdapter, load_peft_adapter
 from engine.lora.request import LoRARequest
 from engine.models.layers import ColumnParallelLinear, RowParallelLinear
+from weight_transfer.checksums import lora_checksum_name, tensor_checksum
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ class LoRAManager:
     serving after its host copy is evicted or removed; it is re-read from disk if it must be paged in again).
     Pinned adapters (pin_lora) never leave the host cache and do not count against max_cpu_loras
     (each is an operator's explicit call); their slots are the last to be reused.
+    A synced adapter (install: a trainer's weight sync) is pinned: its weights are in no file to read again.
     """
 
     def __init__(self, model: nn.Module, config: LoRAConfig, device: torch.device, dtype: torch.dtype) -> None:
@@ -44,6 +46,7 @@ class LoRAManager:
                 module.lora = self.layers[name] = LoRALinear(module, self.max_loras, self.max_lora_rank, device, dtype)
         self._host: OrderedDict[int, PEFTAdapter] = OrderedDict()  # lora_int_id -> adapter, oldest use first
         self._pinned: set[int] = set()
+        self._names: dict[int, str] = {}  # lora_int_id -> lora_name of each host copy (checksums name adapters)
         self._slot_ids: list[int] = [0] * self.max_loras  # adapter id per slot; 0: empty
         self._slot_uses: OrderedDict[int, None] = OrderedDict((slot, None) for slot in range(self.max_loras))
         self.num_disk_loads = 0  # adapters read from disk (a paged-out host copy read again counts again)
@@ -60,11 +63,13 @@ class LoRAManager:
         self.num_disk_loads += 1
         self._make_host_room()
         self._host[lora.lora_int_id] = adapter
+        self._names[lora.lora_int_id] = lora.lora_name
 
     def remove_lora(self, lora_id: int) -> bool:
         """Drops the adapter's host copy and slot; False if it held neither. A request still running with it
-        reads it from disk again when it is next paged in."""
+        reads it from disk again when it is next paged in (a synced adapter: its directory's weights)."""
         found = self._host.pop(lora_id, None) is not None
+        self._names.pop(lora_id, None)
         self._pinned.discard(lora_id)
         if lora_id in self._slot_ids:
             self._free_slot(self._slot_ids.index(lora_id))
@@ -85,6 +90,41 @@ class LoRAManager:
         unpinned = [lora_id for lora_id in self._host if lora_id not in self._pinned]  # oldest use first
         for victim in unpinned[: max(0, len(unpinned) + 1 - self.max_cpu_loras)]:
             del self._host[victim]
+            del self._names[victim]
+
+    # ---- weight sync (engine/worker/lora_weight_update.py) ----
+
+    def host_adapter(self, lora: LoRARequest) -> PEFTAdapter:
+        """The adapter's host copy (read from its directory again if it was paged out); ValueError as add_lora."""
+        self.add_lora(lora)
+        return self._host[lora.lora_int_id]
+
+    def install(self, lora: LoRARequest, adapter: PEFTAdapter) -> None:
+        """Makes `adapter` (a synced version, checked against the old one) the adapter's weights: its host copy,
+        pinned, and its slot when it has one. Between steps: a request already running with it computes its
+        next tokens with these weights over the KV cache the old ones computed (vLLM's behaviour for a
+        re-added adapter); the EngineCore gives the adapter a new prefix-cache key so no new request reuses
+        that KV."""
+        lora_id = lora.lora_int_id
+        self._host[lora_id] = adapter
+        self._host.move_to_end(lora_id)
+        self._names[lora_id] = lora.lora_name
+        self._pinned.add(lora_id)
+        if lora_id in self._slot_ids:
+            self._write_slot(self._slot_ids.index(lora_id), lora_id, adapter)
+
+    def checksums(self) -> dict[str, str]:
+        """{"lora:<lora_name>:<PEFT tensor name>": checksum} of every adapter held in host memory: the float32
+        copies that device slots are written from, unscaled, as PEFT saves them (lora_checksum_name). Adapters
+        sharing one lora_name are told apart as "lora:<lora_name>#<lora_int_id>:..."."""
+        counts = Counter(self._names.values())
+        out = {}
+        for lora_id, adapter in self._host.items():
+            name = self._names[lora_id]
+            label = name if counts[name] == 1 else f"{name}#{lora_id}"
+            for tensor_name, tensor in adapter.tensors().items():
+                out[lora_checksum_name(label, tensor_name)] = tensor_checksum(tensor)
+        return out
 
     # ---- steps ----
 
@@ -131,7 +171,8 @@ class LoRAManager:
         self._free_slot(slot)
         for hf_name, weights in adapter.modules.items():
             target = self.targets[hf_name]
-            self.layers[target.module_name].set_slot(slot, target.slice_index, weights.lora_a, weights.lora_b)
+            self.layers[target.module_name].set_slot(slot, target.slice_index, weights.lora_a,
+                                                     weights.lora_b * weights.scaling)
         self._slot_ids[slot] = lora_id
         self.num_slot_loads += 1
 

@@ -40,10 +40,17 @@ _UNSUPPORTED_OPTIONS = (
 
 @dataclass(frozen=True)
 class LoRAModuleWeights:
-    """One HF module's adapter, full HF shapes, float32 on the host: delta = x @ lora_a^T @ lora_b^T."""
+    """One HF module's adapter, full HF shapes, float32 on the host: delta = scaling * x @ lora_a^T @ lora_b^T.
+
+    lora_a and lora_b are PEFT's tensors as read (or synced), unscaled: their checksums are the trainer's."""
 
     lora_a: torch.Tensor  # [rank, in_features]
-    lora_b: torch.Tensor  # [out_features, rank], the module's scaling folded in
+    lora_b: torch.Tensor  # [out_features, rank]
+    scaling: float  # lora_alpha / rank (rslora: / sqrt(rank)), as PEFT computes it
+
+    @property
+    def rank(self) -> int:
+        return self.lora_a.shape[0]
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,38 @@ class PEFTAdapter:
     @property
     def num_bytes(self) -> int:
         return sum(w.lora_a.nbytes + w.lora_b.nbytes for w in self.modules.values())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """{PEFT tensor name (base_model.model.<module>.lora_A.weight / .lora_B.weight): tensor}, as saved."""
+        out = {}
+        for module, weights in self.modules.items():
+            out[peft_tensor_name(module, "A")] = weights.lora_a
+            out[peft_tensor_name(module, "B")] = weights.lora_b
+        return out
+
+    def with_tensors(self, tensors: dict[str, torch.Tensor]) -> PEFTAdapter:
+        """This adapter with some of its tensors replaced ({PEFT tensor name: float32 tensor of the same shape},
+        already checked against it); the other modules' tensors are shared, not copied."""
+        modules = dict(self.modules)
+        for name, tensor in tensors.items():
+            module, which = split_peft_tensor_name(name)
+            old = modules[module]
+            modules[module] = LoRAModuleWeights(tensor if which == "A" else old.lora_a,
+                                                tensor if which == "B" else old.lora_b, old.scaling)
+        return PEFTAdapter(self.rank, modules)
+
+
+def peft_tensor_name(module: str, which: str) -> str:
+    """PEFT's saved name of a module's lora_A / lora_B ("A" / "B") weight."""
+    return f"{_PREFIX}{module}.lora_{which}.weight"
+
+
+def split_peft_tensor_name(name: str) -> tuple[str, str]:
+    """(module, "A" or "B") of a PEFT saved tensor name; ValueError when `name` is not one."""
+    match = _TENSOR_NAME.fullmatch(name.removeprefix(_PREFIX)) if name.startswith(_PREFIX) else None
+    if match is None:
+        raise ValueError(f"{name!r} is not a LoRA A/B weight ({_PREFIX}<module>.lora_A.weight / .lora_B.weight)")
+    return match["module"], match["which"]
 
 
 def _pattern_value(patterns: dict, module_name: str, default):
@@ -116,15 +155,14 @@ def load_peft_adapter(path: str, targets: dict[str, LoRATarget], max_lora_rank: 
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     with safe_open(weights_path, framework="pt") as f:
         for key in f.keys():
-            match = _TENSOR_NAME.fullmatch(key.removeprefix(_PREFIX))
-            if not key.startswith(_PREFIX) or match is None:
-                raise ValueError(f"{WEIGHTS_NAME}: tensor {key!r} is not a LoRA A/B weight "
-                                 f"({_PREFIX}<module>.lora_A.weight / .lora_B.weight); only plain LoRA is served")
-            module = match["module"]
+            try:
+                module, which = split_peft_tensor_name(key)
+            except ValueError as e:
+                raise ValueError(f"{WEIGHTS_NAME}: tensor {e}; only plain LoRA is served") from None
             if module not in targets:
                 raise ValueError(f"{WEIGHTS_NAME}: {key!r} targets {module!r}, which is not a module of this model "
                                  f"that LoRA supports (supported: {', '.join(supported_leaves)})")
-            pairs.setdefault(module, {})[match["which"]] = f.get_tensor(key)
+            pairs.setdefault(module, {})[which] = f.get_tensor(key)
 
     use_rslora = bool(config.get("use_rslora", False))
     modules: dict[str, LoRAModuleWeights] = {}
@@ -143,7 +181,7 @@ def load_peft_adapter(path: str, targets: dict[str, LoRATarget], max_lora_rank: 
         if not (torch.isfinite(lora_a).all() and torch.isfinite(lora_b).all()):
             raise ValueError(f"{WEIGHTS_NAME}: {module} has non-finite values")
         scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank  # PEFT's
-        modules[module] = LoRAModuleWeights(lora_a.float().contiguous(), (lora_b.float() * scaling).contiguous())
+        modules[module] = LoRAModuleWeights(lora_a.float().contiguous(), lora_b.float().contiguous(), scaling)
     if not modules:
         raise ValueError(f"{WEIGHTS_NAME}: the adapter has no LoRA weights")
     return PEFTAdapter(max(w.lora_a.shape[0] for w in modules.values()), modules)

@@ -15,7 +15,8 @@ class LoRARegistry:
 
     The cache key goes into every prefix-cache block hash of the adapter's requests. It is a new number
     for each load, never the user's id: an id removed and loaded again from changed files (an adapter
-    saved by a trainer after more steps) must not hit the blocks its old weights computed.
+    saved by a trainer after more steps) must not hit the blocks its old weights computed. A weight sync of
+    the adapter (resync) gives it a new key too, and a weight_version of its own.
     Plain Python: no torch, nothing per token.
     """
 
@@ -23,6 +24,7 @@ class LoRARegistry:
         self.max_cpu_loras = max_cpu_loras
         self._entries: OrderedDict[int, tuple[LoRARequest, int]] = OrderedDict()
         self._pinned: set[int] = set()
+        self._versions: dict[int, str] = {}  # lora_int_id -> the weight_version of its synced weights
         self._next_key = itertools.count()
 
     def cache_key(self, lora: LoRARequest) -> int | None:
@@ -46,7 +48,38 @@ class LoRARegistry:
         unpinned = [i for i in self._entries if i not in self._pinned]  # oldest use first
         for victim in unpinned[: max(0, len(unpinned) - self.max_cpu_loras)]:
             del self._entries[victim]
+            self._versions.pop(victim, None)
+        self._versions.pop(lora.lora_int_id, None)  # as read from its directory
         return key
+
+    def find(self, lora_name: str, where: str = "lora_name") -> LoRARequest:
+        """The loaded adapter named `lora_name`; ValueError naming `where` when none is, or several are."""
+        found = [lora for lora, _ in self._entries.values() if lora.lora_name == lora_name]
+        if not found:
+            loaded = sorted(lora.lora_name for lora, _ in self._entries.values())
+            raise ValueError(f"{where}: no adapter named {lora_name!r} is loaded (loaded: {loaded}); add_lora it first "
+                             "(a PEFT adapter directory), so that its rank, target modules and scaling are known")
+        if len(found) > 1:
+            raise ValueError(f"{where}: {len(found)} loaded adapters are named {lora_name!r} (lora_int_ids "
+                             f"{sorted(lora.lora_int_id for lora in found)}); remove_lora all but one")
+        return found[0]
+
+    def resync(self, lora_id: int, weight_version: str | None) -> int | None:
+        """After a weight sync of the adapter: a new cache key (returned; None if it was removed meanwhile), its
+        version (None: kept), and pinned, since its weights are in no file to read again."""
+        entry = self._entries.get(lora_id)
+        if entry is None:
+            return None
+        key = next(self._next_key)
+        self._entries[lora_id] = (entry[0], key)
+        self._pinned.add(lora_id)
+        if weight_version is not None:
+            self._versions[lora_id] = weight_version
+        return key
+
+    def weight_version(self, lora_name: str) -> str:
+        """The version of the adapter named `lora_name`: its last sync's, or "default" (its directory's weights)."""
+        return self._versions.get(self.find(lora_name).lora_int_id, "default")
 
     def get(self, lora_id: int) -> LoRARequest | None:
         entry = self._entries.get(lora_id)
@@ -54,6 +87,7 @@ class LoRARegistry:
 
     def remove(self, lora_id: int) -> bool:
         self._pinned.discard(lora_id)
+        self._versions.pop(lora_id, None)
         return self._entries.pop(lora_id, None) is not None
 
     def pin(self, lora_id: int) -> None:

@@ -55,3 +55,22 @@ def lora_request_of(value: Any) -> LoRARequest:
     if all(hasattr(value, name) for name in ("lora_name", "lora_int_id", "lora_path")):
         return LoRARequest(value.lora_name, value.lora_int_id, value.lora_path)
     raise ValueError(f"lora_request: expected a LoRARequest(lora_name, lora_int_id, lora_path), got {type(value).__name__}")
+
+
+def split_lora_name(update_info: Any) -> tuple[str | None, Any]:
+    """(the adapter a weight update call is for, update_info without "lora_name"): update_info is a dict, or
+    vLLM's list of one dict per worker, whose entries must all name the same adapter or none. A value that is
+    neither passes through unchanged (the backend says what is wrong with it). ValueError for a bad name."""
+    entries = update_info if isinstance(update_info, list) else [update_info]
+    if not all(isinstance(entry, dict) for entry in entries):
+        return None, update_info
+    names = [entry.get("lora_name") for entry in entries]
+    if all(name is None for name in names):
+        return None, update_info
+    if len(set(names)) > 1:
+        raise ValueError(f"update_info.lora_name: every worker's entry must name the same adapter, got {names}")
+    name = names[0]
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"update_info.lora_name: expected an adapter's lora_name (a non-empty string), got {name!r}")
+    rest = [{k: v for k, v in entry.items() if k != "lora_name"} for entry in entries]
+    return name, rest if isinstance(update_info, list) else rest[0]

@@ -42,13 +42,21 @@ def checksums(layout: dict[str, HFSlot]) -> dict[str, str]:
     return {name: tensor_checksum(slot.tensor()) for name, slot in layout.items()}
 
 
-def weight_checker(layout: dict[str, HFSlot], remote: dict[str, tuple[int, ...]], baseline: object = None) -> dict:
+def weight_checker(layout: dict[str, HFSlot], remote: dict[str, tuple[int, ...]], baseline: object = None,
+                   adapters: dict[str, str] | None = None) -> dict:
     """{"checksums": {...}}, plus match/mismatches/missing/unexpected against `baseline` ({hf_name: checksum},
     which compare_checksums parses strictly: ValueError naming what is wrong) when given. Tied aliases
-    may be missing from the baseline; experts another EP rank holds (`remote`) are not unexpected in it."""
+    may be missing from the baseline; experts another EP rank holds (`remote`) are not unexpected in it.
+
+    adapters: the LoRA adapters' checksums ("lora:<lora_name>:<PEFT tensor name>", LoRAManager.checksums),
+    reported beside the weights'. A baseline may leave them out (a trainer of the base model knows no adapter);
+    one that lists an adapter tensor compares it (one the engine does not hold is unexpected)."""
     sums = checksums(layout)
+    optional = [name for name, slot in layout.items() if slot.alias_of is not None]
+    if adapters:
+        sums.update(adapters)
+        optional += list(adapters)
     if baseline is None:
         return msgspec.to_builtins(WeightCheckerReport(sums))
-    aliases = [name for name, slot in layout.items() if slot.alias_of is not None]
-    comparison = compare_checksums(sums, baseline, optional=aliases, held_elsewhere=remote)
+    comparison = compare_checksums(sums, baseline, optional=optional, held_elsewhere=remote)
     return msgspec.to_builtins(WeightCheckerReport(sums, **comparison))

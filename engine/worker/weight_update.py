@@ -339,7 +339,8 @@ class WeightUpdater:
         self._require_resident("weight_checker")
         return weight_report.checksums(self.layout)
 
-    def weight_checker(self, baseline: dict | None = None) -> dict:
-        """{"checksums": {...}}, plus match/mismatches/missing/unexpected against `baseline` when given."""
+    def weight_checker(self, baseline: dict | None = None, adapters: dict[str, str] | None = None) -> dict:
+        """{"checksums": {...}}, plus match/mismatches/missing/unexpected against `baseline` when given;
+        `adapters`: the LoRA adapters' checksums, reported too (weight_report.weight_checker)."""
         self._require_resident("weight_checker")
-        return weight_report.weight_checker(self.layout, self.remote, baseline)
+        return weight_report.weight_checker(self.layout, self.remote, baseline, adapters)

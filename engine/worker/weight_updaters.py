@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 
 from engine.exceptions import WeightTransferError, WeightUpdateStateError
+from engine.lora.request import LoRARequest
+from engine.worker.lora_weight_update import LoRAWeightUpdater
 from engine.worker.transfer_init import PendingInit
 from engine.worker.weight_update import DRAFT_MODEL, TARGET_MODEL, WEIGHT_MODELS, WeightUpdater
 
@@ -18,11 +20,17 @@ class WeightUpdaters:
     model that has one, so one update may land tensors in either model (update_info "model")
     and no step ever sees a half-done update of either. A transfer that fails in one model
     ends the update and restores both. The "model" key is removed before a backend sees the dict.
+
+    With LoRA serving, the same lifecycle carries adapter syncs (update_lora: the EngineCore took
+    update_info's "lora_name" off and resolved it): staged through the target's transfer engine,
+    committed at finish, dropped at abort or when any transfer of the update fails.
     """
 
-    def __init__(self, target: WeightUpdater, draft: WeightUpdater | None = None) -> None:
+    def __init__(self, target: WeightUpdater, draft: WeightUpdater | None = None,
+                 loras: LoRAWeightUpdater | None = None) -> None:
         self.target = target
         self.draft = draft  # None: the engine runs no draft model
+        self.loras = loras  # None: LoRA is off
         # An init_weight_transfer_engine whose rendezvous runs (begin_init .. commit_init or its failure),
         # and the updater it is for. While it runs, every other weight-update call is refused.
         self._pending: tuple[WeightUpdater, PendingInit] | None = None
@@ -116,6 +124,7 @@ class WeightUpdaters:
             for updater in started:
                 updater.abort_update()
             raise
+        self._discard_loras()  # (every update ends by commit or discard: nothing is staged here)
 
     def update_weights(self, update_info: dict) -> int:
         self._refuse_while_init_pending("update_weights")
@@ -126,7 +135,23 @@ class WeightUpdaters:
             for other in self.all():
                 if other is not updater:
                     other.abort_update()
+            self._discard_loras()
             raise
+
+    def update_lora(self, update_info: dict, lora: LoRARequest) -> int:
+        """One call of adapter tensors for `lora` (LoRAWeightUpdater.update); staged until finish_update."""
+        self._refuse_while_init_pending("update_weights")
+        if self.loras is None:
+            raise ValueError("update_info.lora_name: LoRA is off; start the engine with enable_lora=True (--enable-lora)")
+        try:
+            return self.loras.update(update_info, lora)
+        except WeightTransferError:  # the target's update is over and restored: so is the draft's
+            if self.draft is not None:
+                self.draft.abort_update()
+            raise
+
+    def _discard_loras(self) -> bool:
+        return self.loras.discard() if self.loras is not None else False
 
     def finish_update(self) -> None:
         self._refuse_while_init_pending("finish_weight_update")
@@ -136,21 +161,25 @@ class WeightUpdaters:
             (ready or [self.target])[0].finish_update()
         for updater in updating:
             updater.finish_update()
+        if self.loras is not None:
+            self.loras.commit()
 
     def abort_update(self) -> bool:
         """Restores every model an update in progress changed; False if none was in progress."""
         self._refuse_while_init_pending("abort_weight_update")
         aborted = [u.abort_update() for u in self.all()]  # every one, not up to the first that was updating
-        return any(aborted)
+        return self._discard_loras() or any(aborted)
 
     def shutdown(self) -> None:
         self._refuse_while_init_pending("shutdown_weight_transfer_engine")
+        self._discard_loras()
         for updater in self.all():
             updater.shutdown()
 
     def release(self) -> None:
         """The worker shuts down: a pending init is dropped and every model's updater released (see WeightUpdater.release)."""
         self.cancel_init()
+        self._discard_loras()
         for updater in self.all():
             updater.release()
 

@@ -32,6 +32,7 @@ from engine.worker.model_runner import ModelRunner, forward_without_kv_writes
 from engine.worker.release import release_device_caches, release_module_tensors
 from engine.worker.runner_output import ModelRunnerOutput
 from engine.worker.sleep import allocate_kv_cache, pack_weights
+from engine.worker.lora_weight_update import LoRAWeightUpdater
 from engine.worker.weight_update import DRAFT_MODEL, TARGET_MODEL, WeightUpdater
 from engine.worker.weight_updaters import WeightUpdaters
 
@@ -140,7 +141,9 @@ class Worker:
         allow_pickled = config.weight_transfer.weight_transfer_allow_pickled_ipc_handles
         self.weight_updater = WeightUpdater(self.model, self.device, config.fault_tolerance.weight_update_rollback,
                                             allowed_hosts=self.allowed_hosts, allow_pickled_ipc_handles=allow_pickled)
-        self.weight_updaters = WeightUpdaters(self.weight_updater)  # the draft model's joins in _init_speculator
+        # The draft model's joins in _init_speculator; adapter syncs ride the target's transfer engine.
+        loras = LoRAWeightUpdater(self.lora_manager, self.weight_updater) if self.lora_manager is not None else None
+        self.weight_updaters = WeightUpdaters(self.weight_updater, loras=loras)
         self.draft_model: torch.nn.Module | None = None
         self.draft_proposer = None
         if config.speculative.settings is not None:
@@ -379,7 +382,9 @@ class Worker:
         self._lora().add_lora(lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
-        return self._lora().remove_lora(lora_id)
+        manager = self._lora()
+        self.weight_updaters.loras.discard(lora_id)  # a sync of it in progress goes with it
+        return manager.remove_lora(lora_id)
 
     def pin_lora(self, lora_request: LoRARequest) -> bool:
         return self._lora().pin_lora(lora_request)
@@ -416,12 +421,20 @@ class Worker:
 
     def update_weights(self, update_info: dict | list[dict]) -> int:
         """update_info, or this rank's entry of vLLM's per-worker list (data_parallel_rank * tp + rank)."""
+        return self.weight_updaters.update_weights(self._own_update_info(update_info))
+
+    def update_lora_weights(self, update_info: dict | list[dict], lora_request: LoRARequest) -> int:
+        """update_weights for adapter tensors (engine/worker/lora_weight_update.py): staged for `lora_request`'s
+        adapter until finish_weight_update; update_info without its "lora_name" (the EngineCore resolved it)."""
+        return self.weight_updaters.update_lora(self._own_update_info(update_info), lora_request)
+
+    def _own_update_info(self, update_info: dict | list[dict]) -> dict:
         if isinstance(update_info, list):
             index = self.config.parallel.data_parallel_rank * self.config.parallel.tensor_parallel_size + self.rank
             if index >= len(update_info):
                 raise ValueError(f"update_info: the list has {len(update_info)} entries; worker {index} has none")
             update_info = update_info[index]
-        return self.weight_updaters.update_weights(update_info)
+        return update_info
 
     def finish_weight_update(self) -> None:
         self.weight_updaters.finish_update()
@@ -436,8 +449,11 @@ class Worker:
         return self.weight_updaters.select(model).weight_info()
 
     def weight_checker(self, baseline: dict | None = None, model: str = TARGET_MODEL) -> dict:
-        """This rank's checksums of `model`; a {"ranks": [...]} baseline is read at this rank's entry."""
-        return self.weight_updaters.select(model).weight_checker(baseline_for_rank(baseline, self.rank))
+        """This rank's checksums of `model`; a {"ranks": [...]} baseline is read at this rank's entry. The target's
+        include every adapter held in host memory ("lora:<lora_name>:<PEFT tensor name>"), which a baseline may
+        leave out (one that lists them compares them)."""
+        adapters = self.lora_manager.checksums() if self.lora_manager is not None and model == TARGET_MODEL else None
+        return self.weight_updaters.select(model).weight_checker(baseline_for_rank(baseline, self.rank), adapters)
 
     def compute_weight_checksums(self) -> dict[str, str]:
         """vLLM's per-worker digests of the served model (weight_transfer.checksums.engine_weight_digests)."""
