@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from engine.async_llm import AsyncLLM
 from engine.control import Control, forward_controls
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.processor import PromptType
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -177,9 +178,11 @@ class RolloutWorker:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion (batched together); outputs come in the order of `prompts`.
 
+        lora_request: the adapter of every prompt, or one per prompt (None: the base model), as LLM.generate.
         A bad prompt raises ValueError and aborts the others of the call.
         """
         if isinstance(prompts, (str, dict)):
@@ -191,11 +194,19 @@ class RolloutWorker:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params_list)} given for {len(prompts)} prompts")
-        return self._run(self._generate_all(prompts, params_list, use_tqdm))
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts")
+        return self._run(self._generate_all(prompts, params_list, use_tqdm, loras))
 
-    async def _generate_all(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    async def _generate_all(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool,
+                            loras: list[LoRARequest | None]) -> list[RequestOutput]:
         bar = tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
-        tasks = [asyncio.ensure_future(self._final(p, sp, self._next_id())) for p, sp in zip(prompts, params_list)]
+        tasks = [asyncio.ensure_future(self._final(p, sp, self._next_id(), lora))
+                 for p, sp, lora in zip(prompts, params_list, loras)]
         for task in tasks:
             task.add_done_callback(lambda _: bar.update(1))
         try:
@@ -208,10 +219,11 @@ class RolloutWorker:
         finally:
             bar.close()
 
-    async def _final(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str) -> RequestOutput:
+    async def _final(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
+                     lora_request: LoRARequest | None = None) -> RequestOutput:
         params = sampling_params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
-        async for out in self.engine.generate(prompt, params, request_id):
+        async for out in self.engine.generate(prompt, params, request_id, lora_request=lora_request):
             final = out
         assert final is not None and final.finished
         return final

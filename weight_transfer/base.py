@@ -611,10 +611,23 @@ class TrainerWeightTransferEngine(ABC, Generic[TrainerInitT]):
 
         Returns when the engine serves the new weights (under weight_version when given). On
         any failure the engine keeps its previous weights and this raises naming the cause.
+
+        A source with a `lora_name` (weight_transfer.lora.AdapterSource) holds one LoRA adapter's tensors:
+        the sync goes to that adapter of the engine (client.for_lora), through this same transport, and
+        weight_version becomes the adapter's version; the base model's weights and version stay.
         """
         src = self._source(source)
         if self.rank == 0:
-            return self._update(lambda: self._send(src), weight_version)
+            lora_name = getattr(src, "lora_name", None)
+            if lora_name is None:
+                return self._update(lambda: self._send(src), weight_version)
+            # Every backend reaches the engine through self.client alone, so aiming it for this sync aims
+            # all of its update_weights calls (including ones it posts from background threads meanwhile).
+            client, self.client = self.client, self.client.for_lora(lora_name)
+            try:
+                return self._update(lambda: self._send(src), weight_version)
+            finally:
+                self.client = client
         stats = self._follow(src)
         stats.weight_version = weight_version
         return stats

@@ -56,6 +56,22 @@ def hf_state_checksums(
     return out
 
 
+LORA_CHECKSUM_PREFIX = "lora:"  # no HF parameter name has a colon: adapter entries never clash with the model's
+
+
+def lora_checksum_name(lora_name: str, tensor_name: str) -> str:
+    """The key of an adapter tensor in weight_checker's checksums: "lora:<lora_name>:<PEFT tensor name>"."""
+    return f"{LORA_CHECKSUM_PREFIX}{lora_name}:{tensor_name}"
+
+
+def lora_state_checksums(lora_name: str, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """The checksums an engine's weight_checker reports for adapter `lora_name` holding these PEFT-named tensors
+    (weight_transfer.lora.adapter_source yields them): of float32 copies, the dtype the engine keeps adapters
+    in (a bfloat16 tensor widens exactly). Merge them into a model baseline, or compare them alone."""
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    return {lora_checksum_name(lora_name, name): tensor_checksum(t, torch.float32) for name, t in items}
+
+
 class Shard(Message):
     """A weight_info() entry's "shard": the rows start .. start + size - 1 along dim of the full tensor."""
 

@@ -11,6 +11,8 @@ itself, because an engine's init/update call returns only once the data has arri
 An engine that runs speculative decoding with a draft model holds two models; client.for_model("draft")
 is the same client aimed at the draft (its init_info and update_info carry "model": "draft"), so any
 backend syncs the draft: trainer_init(init_info, client=client.for_model("draft"), source=draft_module).
+Likewise client.for_lora(name) aims update_weights at one loaded LoRA adapter (update_info "lora_name"),
+which send_weights does by itself for a source that names its adapter (weight_transfer.lora.adapter_source).
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ class WeightSyncClient(ABC):
     def for_model(self, model: str) -> WeightSyncClient:
         """This client aimed at one of the engine's models ("target" or "draft"): see ModelWeightSyncClient."""
         return ModelWeightSyncClient(self, model)
+
+    def for_lora(self, lora_name: str) -> WeightSyncClient:
+        """This client aimed at one loaded LoRA adapter of the engine: see LoRAWeightSyncClient."""
+        return LoRAWeightSyncClient(self, lora_name)
 
     def close(self) -> None:
         """Releases the client's own resources (connections); the engines keep running."""
@@ -266,6 +272,35 @@ class ModelWeightSyncClient(WeightSyncClient):
                          else {**value, "model": self.model})
             aimed.append(value)
         return self.client._call(method, *aimed, *args[len(aimed):])
+
+
+class LoRAWeightSyncClient(WeightSyncClient):
+    """Another client's calls aimed at one LoRA adapter the engine has loaded: update_weights' update_info gains
+    {"lora_name": lora_name}, so every backend's calls carry that adapter's PEFT-named tensors into it (staged
+    until finish_weight_update; engine/worker/lora_weight_update.py); the rest pass unchanged.
+
+    A trainer rarely builds one itself: send_weights aims its client at the adapter of a source that names
+    one (weight_transfer.lora.adapter_source). The transport is the model's: no init of its own.
+    """
+
+    def __init__(self, client: WeightSyncClient, lora_name: str) -> None:
+        if not isinstance(lora_name, str) or not lora_name:
+            raise ValueError(f"lora_name: expected a loaded adapter's lora_name, got {lora_name!r}")
+        self.client = client
+        self.lora_name = lora_name
+
+    def num_engines(self) -> int:
+        return self.client.num_engines()
+
+    def engine_world_sizes(self) -> list[int]:
+        return self.client.engine_world_sizes()
+
+    def _call(self, method: str, *args: Any) -> Any:
+        if method == "update_weights":  # plain here: a dict, or vLLM's list of one per worker
+            (request,) = args
+            args = ([{**v, "lora_name": self.lora_name} for v in request] if isinstance(request, list)
+                    else {**request, "lora_name": self.lora_name},)
+        return self.client._call(method, *args)
 
 
 # ---------------------------------------------------------------------------------------
