@@ -321,10 +321,19 @@ class AsyncLLM:
     async def _control(self, method: str, *args: Any) -> Any:
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
+        self._ensure_output_handler()
         try:
-            return await self.engine_core.call_utility_async(method, *args)
+            result = await self.engine_core.call_utility_async(method, *args)
         except EngineUtilityError as e:
             raise self._local_error(str(e)) from None
+        # The answer's stats (pause, sleep and wake_up move gauges while no step runs) reach the stat
+        # loggers through the output handler: wait until it has taken them, so that a /metrics scrape
+        # right after a control's answer sees their effect. Unless the handler is gone (a dead engine).
+        taken = asyncio.ensure_future(self.engine_core.outputs_taken())
+        await asyncio.wait({taken, self._output_task}, return_when=asyncio.FIRST_COMPLETED)
+        if not taken.done():
+            taken.cancel()
+        return result
 
     @staticmethod
     def _local_error(remote: str) -> Exception:

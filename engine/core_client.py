@@ -113,6 +113,10 @@ class AsyncEngineCoreClient(EngineCoreClient):
     @abstractmethod
     async def call_utility_async(self, method: str, *args: Any) -> Any: ...
 
+    async def outputs_taken(self) -> None:
+        """Returns once the output consumer has taken every message queued so far (a client without an
+        output queue has nothing to wait for)."""
+
     @abstractmethod
     async def fault_tolerance_status_async(self) -> str: ...
 

@@ -192,6 +192,13 @@ class _MPClient(EngineCoreClient):
 _DEAD = object()  # queue sentinel: the engine is dead (re-queued so that every waiter sees it)
 
 
+class _Taken:
+    """Queue marker of AsyncMPClient.outputs_taken: its future is set when the consumer reaches it."""
+
+    def __init__(self, future: asyncio.Future) -> None:
+        self.future = future
+
+
 class SyncMPClient(_MPClient, SyncEngineCoreClient):
     """The EngineCore in a child process, for blocking callers (thread-safe)."""
 
@@ -368,11 +375,23 @@ class AsyncMPClient(_MPClient, AsyncEngineCoreClient):
 
     async def get_output_async(self) -> EngineCoreOutputs:
         outputs_queue = self._ensure_reader()
-        outputs = outputs_queue.get_nowait() if not outputs_queue.empty() else await outputs_queue.get()
-        if outputs is _DEAD:
-            outputs_queue.put_nowait(_DEAD)
-            raise self._dead
-        return outputs
+        while True:
+            outputs = outputs_queue.get_nowait() if not outputs_queue.empty() else await outputs_queue.get()
+            if outputs is _DEAD:
+                outputs_queue.put_nowait(_DEAD)
+                raise self._dead
+            if not isinstance(outputs, _Taken):
+                return outputs
+            if not outputs.future.done():
+                outputs.future.set_result(None)
+
+    async def outputs_taken(self) -> None:
+        """Returns once the consumer of get_output_async has taken every message queued before this
+        call, e.g. the stats a utility answer carried (they are queued before its caller resumes).
+        The consumer must be running: AsyncLLM's output handler is."""
+        future = self._loop.create_future()
+        self._ensure_reader().put_nowait(_Taken(future))
+        await future
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         return await self._call(EngineCoreRequestType.UTILITY, method, *args)

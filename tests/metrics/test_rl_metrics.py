@@ -59,3 +59,34 @@ def test_sleep_state_values_one_hot(level, state):
 
 def test_sleep_state_values_of_an_unknown_level_is_no_state():
     assert sleep_state_values(3) == {"awake": 0, "weights_offloaded": 0, "discard_all": 0}
+
+
+def test_a_controls_gauges_are_recorded_when_its_call_returns(tiny_checkpoint):
+    """pause / sleep / wake_up answers carry fresh stats that reach /metrics through the output handler:
+    a scrape right after the awaited call (no other await in between) must already see them."""
+    import asyncio
+
+    from engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM.from_engine_args(model=tiny_checkpoint("llama"), device="cpu", dtype="float32", max_model_len=128,
+                                    multiprocess=True)
+
+    def gauges() -> dict:
+        families = {f.name: f for f in text_string_to_metric_families(llm.prometheus_text().decode())}
+        states = {s.labels["sleep_state"]: s.value for s in families["vllm:engine_sleep_state"].samples}
+        return {"paused": families["rollout:engine_paused"].samples[0].value, **states}
+
+    async def main():
+        seen = []
+        for call in (lambda: llm.sleep(1), llm.wake_up, lambda: llm.pause_generation("keep"), llm.resume_generation):
+            await call()
+            seen.append(gauges())  # no await between the answer and the read
+        return seen
+
+    try:
+        asleep, awake, paused, resumed = asyncio.run(main())
+    finally:
+        llm.shutdown()
+    assert (asleep["weights_offloaded"], asleep["awake"]) == (1, 0)
+    assert (awake["weights_offloaded"], awake["awake"]) == (0, 1)
+    assert paused["paused"] > 0 and resumed["paused"] == 0
