@@ -521,9 +521,7 @@ class EngineCore:
         try:
             num_loaded = self.executor.rpc(Worker.update_weights, update_info)[OUTPUT_RANK]
         except WeightTransferError:
-            self.control.end_weight_update(consistent=self._weights_consistent())
-            self._draft_update = False
-            self._end_update_record()
+            self._end_failed_update()
             raise
         finally:
             self.scheduler.reset_prefix_cache()
@@ -545,14 +543,18 @@ class EngineCore:
         try:
             num_received = self.executor.rpc(Worker.update_lora_weights, update_info, lora)[OUTPUT_RANK]
         except WeightTransferError:
-            self.control.end_weight_update(consistent=self._weights_consistent())
-            self._draft_update = False
-            self._end_update_record()
+            self._end_failed_update()
             raise
         finally:
             self.control.record_weight_call()
         self._synced_loras = self._synced_loras | {lora.lora_int_id}
         return num_received
+
+    def _end_failed_update(self) -> None:
+        """A failed transfer ends the update (the worker restored what it had changed)."""
+        self.control.end_weight_update(consistent=self._weights_consistent())
+        self._draft_update = False
+        self._end_update_record()
 
     def _end_update_record(self) -> None:
         self._model_updated, self._synced_loras = False, frozenset()
