@@ -259,7 +259,8 @@ class AsyncLLM:
                     self.engine_status = engine_outputs.engine_status
                 for out in engine_outputs.outputs:
                     self._dequeue(out.request_id)
-                processed = self.output_processor.process_outputs(engine_outputs.outputs, engine_outputs.weight_version)
+                processed = self.output_processor.process_outputs(
+                    engine_outputs.outputs, engine_outputs.weight_version, engine_outputs.lora_weight_versions)
                 for request_output in processed.request_outputs:
                     stream = self._streams.get(request_output.request_id)
                     if stream is not None:

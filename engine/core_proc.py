@@ -310,6 +310,7 @@ class EngineCoreProc:
                     scheduler_stats=stats if i == 0 or stats is None else stats.gauges_only(),
                     engine_index=self.engine_index,
                     weight_version=step.weight_version,
+                    lora_weight_versions=step.lora_weight_versions,
                 ),
             )
 

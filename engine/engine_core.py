@@ -180,10 +180,15 @@ class EngineCore:
         outputs = self._execute(scheduler_output)  # the scheduler's update from the step that finished
         if outputs is None:  # nothing ran and nothing was in flight
             if not pending:
-                return EngineCoreOutputs(timestamp=time.time(), weight_version=self.weight_version)
+                return self._stamp(EngineCoreOutputs(timestamp=time.time()))
             outputs = EngineCoreOutputs(timestamp=time.time())
+        return self._emit(pending, self._stamp(outputs))
+
+    def _stamp(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+        """Labels `outputs` with the versions that computed them: the model's, and each synced adapter's."""
         outputs.weight_version = self.weight_version
-        return self._emit(pending, outputs)
+        outputs.lora_weight_versions = self.loras.synced_versions()
+        return outputs
 
     def _schedule(self) -> SchedulerOutput | None:
         """This step's SchedulerOutput; None when nothing may be scheduled (idle, paused, asleep, updating)."""
@@ -238,7 +243,7 @@ class EngineCore:
         outputs = self._finish_in_flight()
         if outputs is None:
             return
-        outputs.weight_version = self.weight_version
+        self._stamp(outputs)
         if self._drained is not None:
             outputs.outputs = self._drained.outputs + outputs.outputs
         self._drained = outputs

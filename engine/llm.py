@@ -148,7 +148,8 @@ class LLM:
         try:
             while self.output_processor.has_unfinished_requests():
                 engine_outputs = self.engine_client.get_output()
-                processed = self.output_processor.process_outputs(engine_outputs.outputs, engine_outputs.weight_version)
+                processed = self.output_processor.process_outputs(
+                    engine_outputs.outputs, engine_outputs.weight_version, engine_outputs.lora_weight_versions)
                 self.stat_loggers.record_engine_outputs(engine_outputs, stopped_req_ids=processed.reqs_to_abort)
                 if processed.reqs_to_abort:
                     self.engine_client.abort_requests(processed.reqs_to_abort)

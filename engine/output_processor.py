@@ -399,10 +399,13 @@ class OutputProcessor:
         return len(self.request_states)
 
     def process_outputs(
-        self, engine_core_outputs: list[EngineCoreOutput], weight_version: str | None = None
+        self, engine_core_outputs: list[EngineCoreOutput], weight_version: str | None = None,
+        lora_weight_versions: dict[int, str] | None = None,
     ) -> OutputProcessorOutput:
         """`weight_version`: the version that computed these outputs (EngineCoreOutputs.weight_version);
-        None counts as "default". It becomes the CompletionOutputs' weight_versions spans."""
+        None counts as "default". It becomes the CompletionOutputs' weight_versions spans, except for a
+        request whose adapter a weight sync labelled (`lora_weight_versions`, by lora_int_id): its
+        adapter's version, which is what an adapter-training trainer synced."""
         if weight_version is None:
             weight_version = "default"
         request_outputs: list[RequestOutput] = []
@@ -413,7 +416,10 @@ class OutputProcessor:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # aborted meanwhile
-            if state.update(out, weight_version):
+            version = weight_version
+            if lora_weight_versions and state.lora_request is not None:
+                version = lora_weight_versions.get(state.lora_request.lora_int_id, weight_version)
+            if state.update(out, version):
                 reqs_to_abort.append(state.req_id)
             if state.finished:
                 del self.request_states[state.req_id]

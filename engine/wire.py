@@ -132,3 +132,6 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     # The weight version (EngineCore.update_weight_version) that computed this step's tokens.
     weight_version: str = "default"
     engine_status: EngineStatus | None = None  # set when the engine's health changed; None: unchanged
+    # lora_int_id -> the weight_version of each adapter a weight sync labelled (finish_weight_update with
+    # update_info "lora_name"): the version of its requests' tokens instead of weight_version. None: no such adapter.
+    lora_weight_versions: dict[int, str] | None = None

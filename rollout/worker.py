@@ -229,10 +229,13 @@ class RolloutWorker:
         return final
 
     async def agenerate(
-        self, prompt: PromptType, sampling_params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: PromptType, sampling_params: SamplingParams | None = None, request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutput:
-        """The finished output of one request; await it from any event loop. Cancelling aborts it."""
-        return await self._on_loop(self._final(prompt, sampling_params or SamplingParams(), request_id or self._next_id()))
+        """The finished output of one request (with the adapter `lora_request`, None: the base model); await it
+        from any event loop. Cancelling aborts it."""
+        return await self._on_loop(self._final(prompt, sampling_params or SamplingParams(), request_id or self._next_id(),
+                                               lora_request))
 
     async def astream(
         self, prompt: PromptType, sampling_params: SamplingParams | None = None, request_id: str | None = None

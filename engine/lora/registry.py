@@ -81,6 +81,10 @@ class LoRARegistry:
         """The version of the adapter named `lora_name`: its last sync's, or "default" (its directory's weights)."""
         return self._versions.get(self.find(lora_name).lora_int_id, "default")
 
+    def synced_versions(self) -> dict[int, str] | None:
+        """lora_int_id -> version of every adapter a weight sync labelled; None when there is none."""
+        return dict(self._versions) if self._versions else None
+
     def get(self, lora_id: int) -> LoRARequest | None:
         entry = self._entries.get(lora_id)
         return entry[0] if entry is not None else None

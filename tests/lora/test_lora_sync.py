@@ -148,6 +148,18 @@ def test_local_sync_serves_the_new_adapter_and_changes_nothing_else(llm, base_mo
     assert llm.get_weight_version(lora_name="qv") == "step-1"
     assert llm.get_weight_version(lora_name="mixed") == "default"
     assert llm.get_weight_version() == "default"
+    assert _token_versions(generate, [qv, mixed, None]) == ["step-1", "default", "default"]
+
+
+def _token_versions(generate, loras) -> list[str]:
+    """The weight version each adapter's (None: the base model's) new tokens are labelled with: one span each."""
+    versions = []
+    for lora in loras:
+        [out] = generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, lora_request=lora)
+        [(version, start, end)] = out.outputs[0].weight_versions
+        assert (start, end) == (0, len(out.outputs[0].token_ids))
+        versions.append(version)
+    return versions
 
 
 def _bad_syncs(model) -> list[tuple[dict, str]]:
@@ -233,5 +245,6 @@ def test_nccl_sync_over_gloo_into_an_engine_process(base_model, adapters, old_re
         assert stats.bytes_sent == sum(t.nbytes for t in new_tensors.values())
         assert _lora_sums(worker, "qv") == lora_state_checksums("qv", new_tensors)
         assert worker.get_weight_version(lora_name="qv") == "nccl-1" and worker.get_weight_version() == "default"
+        assert _token_versions(generate, [qv, None]) == ["nccl-1", "default"]  # labels cross the process boundary
         _assert_matches(_run(generate, qv), new_refs)
         assert _outputs(_run(generate, None)) == base_before
