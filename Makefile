@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch; a bare `torch` would pull a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: test test-fast demo demo-agent generate-demo bench clean vllm033 clean-vllm033
+.PHONY: test test-fast demo demo-lora demo-agent generate-demo bench clean vllm033 clean-vllm033
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,10 @@ test-fast: $(VENV)/.installed $(VLLM033)/.built
 # runs/demo/summary.json, metrics.jsonl, a reward-curve PNG and an offline wandb run.
 demo: $(VENV)/.installed
 	$(PY) -m trainers.grpo --config examples/grpo_tiny/grpo.toml
+
+# The same GRPO run training a LoRA adapter on the frozen base (only the adapter syncs); runs/demo-lora/.
+demo-lora: $(VENV)/.installed
+	$(PY) -m trainers.grpo --config examples/grpo_tiny/grpo_lora.toml
 
 # Agentic GRPO: multi-turn sessions with a calculator tool (3-digit x 2-digit products), rewards on the
 # final answer, trained on the model's tokens only; runs/demo-agent/ as `make demo` writes runs/demo/.

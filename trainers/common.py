@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from trainers.cli import parse_config, to_dict
-from trainers.config import ModelConfig, RolloutConfig
+from trainers.config import LoRAConfig, ModelConfig, RolloutConfig
+from trainers.lora import attach_adapter, lora_worker_args
 from trainers.logging import MetricsLogger
 from trainers.rollouts import Environment, RolloutBatch, generate_rollouts, generate_session_rollouts
 from weight_transfer import trainer_init
@@ -53,12 +54,13 @@ def prompt_of(item: Any) -> Any:
     return getattr(item, "prompt", item)
 
 
-def start_worker(model: ModelConfig, rollout: RolloutConfig):
+def start_worker(model: ModelConfig, rollout: RolloutConfig, lora: LoRAConfig | None = None):
     """The rollout worker of rollout.engine on the policy checkpoint, whose logprobs are those of the distribution it samples from.
 
     inprocess: a RolloutWorker; ray: a RolloutWorker Ray actor (trainers.engines.RayRolloutEngine);
     http: the server at rollout.server_url (trainers.engines.HTTPRolloutEngine), which must serve
-    the same checkpoint and was launched with --logprobs-mode processed_logprobs.
+    the same checkpoint and was launched with --logprobs-mode processed_logprobs. With `lora` (rank > 0)
+    a worker started here serves one adapter of that rank (a server must be launched so: --enable-lora).
     """
     if rollout.engine == "http":
         from trainers.engines import HTTPRolloutEngine
@@ -76,6 +78,8 @@ def start_worker(model: ModelConfig, rollout: RolloutConfig):
         worker_args["enable_sleep_mode"] = True  # it sleeps every step: its pinned host copy is made once, at start-up
     if rollout.gpu_memory_utilization is not None:
         worker_args["gpu_memory_utilization"] = rollout.gpu_memory_utilization
+    if lora is not None and lora.enabled:
+        worker_args.update(lora_worker_args(lora))
     if rollout.engine == "ray":
         from trainers.engines import RayRolloutEngine
 
@@ -165,8 +169,11 @@ def items_for_step(problems: Sequence[Any], step: int, num_prompts: int) -> list
 
 
 def _packed_buffer_bytes(source) -> int:
-    """A packed-transfer buffer as large as the model (at most _MAX_PACKED_BUFFER_BYTES): small models get small buffers."""
-    total = sum(p.numel() * p.element_size() for p in source.module.parameters()) if hasattr(source, "module") else 0
+    """A packed-transfer buffer as large as the model, or the adapter (at most _MAX_PACKED_BUFFER_BYTES): small models get small buffers."""
+    if hasattr(source, "module"):
+        total = sum(p.numel() * p.element_size() for p in source.module.parameters())
+    else:  # an adapter (weight_transfer.lora.AdapterSource) knows its bytes
+        total = getattr(source, "num_bytes", 0)
     return max(ALIGN, min(_MAX_PACKED_BUFFER_BYTES, -(-total // ALIGN) * ALIGN)) if total else _MAX_PACKED_BUFFER_BYTES
 
 
@@ -310,15 +317,22 @@ class RolloutTrainer(ABC):
         self.step_count = 0
 
     def _connect_worker(self, policy, worker) -> None:
+        """Starts the worker on rank 0 unless given and sets up the weight sync into it. With LoRA, the policy's
+        adapter is loaded into it first (saved under logging.output_dir/lora-init) and self.worker generates
+        with it (trainers.lora.AdapterWorker); a given worker must have been started with LoRA on."""
         self.policy = policy
         self._owns_worker = False
+        lora = self.config.lora
         if self.rank == 0 and worker is None:
-            worker = start_worker(self.config.model, self.config.rollout)
+            worker = start_worker(self.config.model, self.config.rollout, lora)
             self._owns_worker = True
-        self.worker = worker if self.rank == 0 else None
+        engine = worker if self.rank == 0 else None
+        self.worker = engine
+        if lora.enabled:
+            self.worker = attach_adapter(engine, policy, lora, os.path.join(self.config.logging.output_dir, "lora-init"))
         if self.worker is not None:
             check_worker_logprobs(self.worker, self.config.rollout.temperature)
-        self.sync = make_weight_sync(self.config.rollout, self.worker, policy.weight_source(), self.rank)
+        self.sync = make_weight_sync(self.config.rollout, engine, policy.weight_source(), self.rank)
         self.weight_version = self.worker.get_weight_version() if self.worker is not None else None
 
     @abstractmethod
@@ -348,7 +362,7 @@ class RolloutTrainer(ABC):
         """Shuts the weight sync down (and the worker, if this trainer started it)."""
         self.sync.shutdown()
         if self._owns_worker and self.worker is not None:
-            self.worker.shutdown()
+            self.worker.shutdown()  # an AdapterWorker's is its engine's
 
     def __enter__(self):
         return self

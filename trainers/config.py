@@ -237,6 +237,42 @@ class OptimConfig:
         check_range("optim.max_grad_norm", self.max_grad_norm, 0.0)
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoRAConfig:
+    """Train a LoRA adapter instead of the full weights: PEFT on the frozen base, and only the adapter syncs."""
+
+    rank: int = 0
+    """Adapter rank r; 0 trains every weight (no adapter). The rollout engine serves the adapter with max_lora_rank = r."""
+    alpha: float = 16.0
+    """LoRA alpha: the adapter's update is scaled by alpha / r (alpha / sqrt(r) with use_rslora)."""
+    target_modules: str = ",".join(LORA_TARGETS)
+    """Comma-separated projections the adapter targets (any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)."""
+    use_rslora: bool = False
+    """Rank-stabilised scaling alpha / sqrt(r) (PEFT's use_rslora)."""
+    name: str = "policy"
+    """The adapter's lora_name in the rollout engine (requests select it by this name; weight syncs target it)."""
+
+    def __post_init__(self) -> None:
+        check_range("lora.rank", self.rank, 0)
+        check_range("lora.alpha", self.alpha, 0.0, low_open=True)
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if not self.targets or unknown:
+            raise ValueError(f"lora.target_modules: {unknown or self.target_modules!r} not among {list(LORA_TARGETS)}")
+        if not self.name or "/" in self.name:
+            raise ValueError(f"lora.name: a non-empty adapter name without '/', got {self.name!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def targets(self) -> list[str]:
+        return [t.strip() for t in self.target_modules.split(",") if t.strip()]
+
+
 @dataclass
 class LoggingConfig(MetricsConfig):
     """Where a run writes its outputs (run directory, wandb run, console: trainers.logging's fields) and how often."""
@@ -288,6 +324,8 @@ class RunConfig:
     """Outputs."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """Prompts and reward."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA training (off unless lora.rank > 0)."""
     num_steps: int = 20
     """Training steps (one generate -> reward -> update -> weight sync each)."""
     seed: int = 0
@@ -295,6 +333,9 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_range("num_steps", self.num_steps, 0)
+        if self.lora.enabled and self.rollout.weight_sync_backend == "sharded_rdt":
+            raise ValueError("rollout.weight_sync: an adapter (lora.rank > 0) syncs through local, ipc or nccl, "
+                             f"not sharded_rdt (engine={self.rollout.engine!r}); set rollout.weight_sync = \"nccl\"")
 
 
 @dataclass

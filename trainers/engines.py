@@ -145,21 +145,26 @@ class HTTPRolloutEngine:
             self.shutdown()
             raise
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list:
-        """Every prompt to completion (concurrent requests, so the server batches them); outputs in prompt order."""
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False, lora_request=None) -> list:
+        """Every prompt to completion (concurrent requests, so the server batches them); outputs in prompt order.
+        lora_request: an adapter the server serves by its lora_name (the requests' `model`)."""
         prompts, params_list = _params_list(prompts, sampling_params)
-        bodies = [completion_body(self.model_name, p, sp) for p, sp in zip(prompts, params_list)]
+        model = self._model_for(lora_request)
+        bodies = [completion_body(model, p, sp) for p, sp in zip(prompts, params_list)]
         futures = [self._pool.submit(self._post_completion, body) for body in bodies]
         return [request_output(f.result(), p) for f, p in zip(futures, prompts)]
 
     def _post_completion(self, body: dict) -> dict:
         return check_response(self._http.post("/v1/completions", json=body), "/v1/completions")
 
-    async def agenerate(self, prompt, sampling_params: SamplingParams | None = None):
+    def _model_for(self, lora_request) -> str:
+        return self.model_name if lora_request is None else lora_request.lora_name
+
+    async def agenerate(self, prompt, sampling_params: SamplingParams | None = None, lora_request=None):
         """One prompt's final RequestOutput; cancelling closes the connection, which aborts the request on the server."""
         import httpx
 
-        body = completion_body(self.model_name, prompt, sampling_params or SamplingParams())
+        body = completion_body(self._model_for(lora_request), prompt, sampling_params or SamplingParams())
         async with httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
             response = await http.post("/v1/completions", json=body)
         return request_output(check_response(response, "/v1/completions"), prompt)
@@ -227,15 +232,15 @@ class RayRolloutEngine:
 
         return ray.get(getattr(self.actor, method).remote(*args), timeout=self.timeout)
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list:
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False, lora_request=None) -> list:
         prompts, params_list = _params_list(prompts, sampling_params)
-        return self._call("generate", prompts, params_list, False)
+        return self._call("generate", prompts, params_list, False, lora_request)
 
-    async def agenerate(self, prompt, sampling_params: SamplingParams | None = None):
+    async def agenerate(self, prompt, sampling_params: SamplingParams | None = None, lora_request=None):
         """One prompt's final RequestOutput; cancelling cancels the actor's task, which aborts the request."""
         import ray
 
-        ref = self.actor.agenerate.remote(prompt, sampling_params or SamplingParams())
+        ref = self.actor.agenerate.remote(prompt, sampling_params or SamplingParams(), None, lora_request)
         try:
             return await ref
         except asyncio.CancelledError:

@@ -92,7 +92,8 @@ class GRPOTrainer(RolloutTrainer):
         super().__init__(config, reward_fn, log=log, log_histogram=log_histogram)
         self.environment = environment
         self.loss = make_loss(config.algorithm)
-        self._connect_worker(Policy(config.model, config.optim, reference=config.algorithm.kl_coef > 0), worker)
+        policy = Policy(config.model, config.optim, reference=config.algorithm.kl_coef > 0, lora=config.lora)
+        self._connect_worker(policy, worker)
         # Version name -> integer version (0: the weights served before training, k: after step k);
         # staleness is measured in these. Rank 0 only (the other ranks get staleness broadcast).
         self._version_index: dict[str, int] = {} if self.weight_version is None else {self.weight_version: 0}
@@ -166,7 +167,7 @@ class GRPOTrainer(RolloutTrainer):
                 with torch.no_grad():
                     old[i], _ = self.policy.response_logprobs(mb.input_ids, mb.prompt_lens, mb.response_ids,
                                                                temperature=temperature)
-            if self.policy.reference is not None:
+            if self.policy.has_reference:
                 ref[i], _ = self.policy.response_logprobs(mb.input_ids, mb.prompt_lens, mb.response_ids,
                                                            temperature=temperature, use_reference=True)
         totals: dict[str, float] = {}

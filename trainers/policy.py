@@ -19,8 +19,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from trainers.config import ModelConfig, OptimConfig
+from trainers.config import LoRAConfig, ModelConfig, OptimConfig
 from weight_transfer import ModuleSource
+from weight_transfer.lora import adapter_source
 
 
 def _free_port() -> int:
@@ -75,11 +76,26 @@ def mean_over_ranks(metrics: dict[str, float], world_size: int, device: torch.de
     return dict(zip(names, (values / world_size).tolist()))
 
 
-def load_sharded_model(config: ModelConfig, *, trainable: bool = True) -> nn.Module:
+def peft_lora_config(lora: LoRAConfig):
+    """PEFT's LoraConfig of the adapter `lora` describes (no dropout: the engine has none)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=lora.targets, lora_dropout=0.0,
+                      use_rslora=lora.use_rslora, bias="none", task_type="CAUSAL_LM")
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of an HF causal LM, or of the one a PEFT model wraps (each becomes an FSDP2 unit)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return list(getattr(getattr(base, "model", None), "layers", []))
+
+
+def load_sharded_model(config: ModelConfig, *, trainable: bool = True, lora: LoRAConfig | None = None) -> nn.Module:
     """The checkpoint's HF model in float32, each decoder layer and then the root fully_shard'ed over all ranks.
 
-    Dropout is off (eval mode) for good: the engine has none, and trainer and engine logprobs
-    must agree on the same weights.
+    With `lora` (rank > 0) the model is PEFT's: a fresh adapter (B = 0, so it starts as the base model)
+    on the frozen base, and only the adapter's tensors train. Dropout is off (eval mode) for good: the
+    engine has none, and trainer and engine logprobs must agree on the same weights.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -89,16 +105,20 @@ def load_sharded_model(config: ModelConfig, *, trainable: bool = True) -> nn.Mod
         raise RuntimeError("torch.distributed is not initialised; call trainers.policy.init_distributed() first")
     device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" else torch.device("cpu")
     model = AutoModelForCausalLM.from_pretrained(config.path, dtype=torch.float32, attn_implementation="sdpa")
+    model.requires_grad_(trainable)
+    if lora is not None and lora.enabled:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_lora_config(lora))  # freezes the base, the adapter trains
     model.to(device)
     model.eval()
-    model.requires_grad_(trainable)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if config.param_dtype == "bfloat16" else None,
         reduce_dtype=torch.float32,
     )
     # Per-layer units: only one layer's full parameters are alive at a time in forward/backward.
-    for layer in getattr(getattr(model, "model", None), "layers", []):
+    for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
@@ -145,14 +165,22 @@ def token_logprobs_and_entropy(
 
 
 class Policy:
-    """The FSDP2-sharded policy (and, with `reference=True`, a frozen copy of the initial weights for KL)."""
+    """The FSDP2-sharded policy (and, with `reference=True`, a frozen copy of the initial weights for KL).
 
-    def __init__(self, model_config: ModelConfig, optim_config: OptimConfig, *, reference: bool = False) -> None:
+    With `lora` (rank > 0) only a LoRA adapter on the frozen base trains: the weight source is that
+    adapter (a sync moves its tensors only), save() writes a PEFT adapter directory, and the reference
+    is the same model with its adapter switched off (the initial policy, without a second copy).
+    """
+
+    def __init__(self, model_config: ModelConfig, optim_config: OptimConfig, *, reference: bool = False,
+                 lora: LoRAConfig | None = None) -> None:
         self.config = model_config
         self.optim_config = optim_config
+        self.lora = lora if lora is not None and lora.enabled else None
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.model = load_sharded_model(model_config)
-        self.reference = load_sharded_model(model_config, trainable=False) if reference else None
+        self.model = load_sharded_model(model_config, lora=self.lora)
+        self.has_reference = reference  # with LoRA: the adapter-off forward, not self.reference
+        self.reference = load_sharded_model(model_config, trainable=False) if reference and self.lora is None else None
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=optim_config.lr,
@@ -165,8 +193,11 @@ class Policy:
     def device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.config.device == "cuda" else torch.device("cpu")
 
-    def weight_source(self) -> ModuleSource:
-        """The trained parameters under their HF names, gathered one tensor at a time when sent."""
+    def weight_source(self):
+        """The trained parameters under their HF names, gathered one tensor at a time when sent; with LoRA the
+        adapter's tensors under PEFT's saved names, aimed at the engine's adapter lora.name."""
+        if self.lora is not None:
+            return adapter_source(self.model, self.lora.name)
         return ModuleSource(self.model)
 
     def response_logprobs(
@@ -186,16 +217,18 @@ class Policy:
         Right padding needs no attention mask: causal attention never lets a real token see
         the padding after it. Gradients flow unless called under torch.no_grad() or use_reference.
         """
-        model = self.reference if use_reference else self.model
-        if model is None:
+        if use_reference and not self.has_reference:
             raise ValueError("use_reference: this Policy was built without reference=True")
+        model = self.reference if use_reference and self.lora is None else self.model
+        # The LoRA policy's reference: its base, the adapter switched off for this forward.
+        adapter_off = model.disable_adapter() if use_reference and self.lora is not None else nullcontext()
         if input_ids.dim() != 2 or response_ids.dim() != 2 or prompt_lens.shape != (input_ids.shape[0],):
             raise ValueError(
                 f"input_ids [B, L], prompt_lens [B], response_ids [B, R] expected, got {list(input_ids.shape)}, "
                 f"{list(prompt_lens.shape)}, {list(response_ids.shape)}"
             )
         device = self.device
-        with torch.no_grad() if use_reference else nullcontext():
+        with torch.no_grad() if use_reference else nullcontext(), adapter_off:
             logits = model(input_ids=input_ids.to(device), use_cache=False).logits  # [B, L, V]
             rows = gather_response_rows(logits, prompt_lens.to(device), response_ids.shape[1])  # [B, R, V]
             return token_logprobs_and_entropy(rows, response_ids.to(device), temperature, with_entropy, entropy_grad)
@@ -213,12 +246,15 @@ class Policy:
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def save(self, path: str) -> str | None:
-        """Writes an HF checkpoint (config, safetensors, tokenizer) that `rollout launch` loads; every rank calls, rank 0 writes."""
+        """Writes an HF checkpoint (config, safetensors, tokenizer) that `rollout launch` loads, or with LoRA a PEFT
+        adapter directory (adapter_config.json, adapter_model.safetensors: `--lora-modules`, add_lora); every rank
+        calls, rank 0 writes."""
         from transformers import AutoTokenizer
 
         state = self.full_state_dict()
         if self.rank == 0:
             os.makedirs(path, exist_ok=True)
+            # PeftModel.save_pretrained keeps only the adapter's entries of the full state.
             self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
             AutoTokenizer.from_pretrained(self.config.path).save_pretrained(path)
         if dist.is_initialized():

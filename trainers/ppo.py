@@ -183,7 +183,7 @@ class PPOTrainer(RolloutTrainer):
                  log_histogram: HistogramFn | None = None) -> None:
         super().__init__(config, reward_fn, log=log, log_histogram=log_histogram)
         algo = config.algorithm
-        policy = Policy(config.model, config.optim, reference=algo.kl_coef > 0)
+        policy = Policy(config.model, config.optim, reference=algo.kl_coef > 0, lora=config.lora)
         self.critic = Critic(config.model, config.critic, config.optim)
         # KL to the reference is a reward term here (it shapes the critic's targets), not a loss term.
         self.policy_loss = PPOClipLoss(PPOClipConfig(
@@ -222,7 +222,7 @@ class PPOTrainer(RolloutTrainer):
                 device = old_logprobs.device
                 mask = mb.response_mask.to(device)  # [b, R]
                 ref_logprobs = kl = None
-                if self.policy.reference is not None:
+                if self.policy.has_reference:
                     ref_logprobs, _ = self.policy.response_logprobs(mb.input_ids, mb.prompt_lens, mb.response_ids,
                                                                     temperature=temperature, use_reference=True)
                     kl = kl_penalty(old_logprobs, ref_logprobs, algo.kl_estimator)  # [b, R]
@@ -241,7 +241,7 @@ class PPOTrainer(RolloutTrainer):
         for p, adv in zip(prepared, adv_chunks):
             p["advantages"] = adv
         metrics = {k: v / len(minibatches) for k, v in totals.items()}
-        if self.policy.reference is None:
+        if not self.policy.has_reference:
             del metrics["token_reward_kl"]
         return prepared, metrics
 
