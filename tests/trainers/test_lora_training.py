@@ -124,3 +124,52 @@ def test_lora_settings_are_checked_by_name(tiny_checkpoint, tmp_path):
     path = tiny_checkpoint("llama")
     with pytest.raises(ValueError, match="sharded_rdt"):
         TrainerConfig(model=ModelConfig(path=path), rollout=RolloutConfig(engine="ray"), lora=LORA)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned_reward(completion: str, item) -> float:
+    return sum(ch in "aeiou" for ch in completion) / max(len(completion), 1)  # spawned ranks lack the conftest's
+
+
+def _lora_rank_main(rank: int, path: str, port: int, out_dir: str, prompts: list[str]) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    from pathlib import Path
+
+    config = TrainerConfig(**_common(path, Path(out_dir)))
+    with GRPOTrainer(config, single_reward(_spawned_reward)) as trainer:
+        lora_a = next(n for n, p in trainer.policy.model.named_parameters() if ".lora_A." in n and "q_proj" in n)
+        shard = tuple(dict(trainer.policy.model.named_parameters())[lora_a].to_local().shape)
+        trainer.step(prompts[:2])
+        tensors = {n: t.clone() for n, t in _adapter_tensors(trainer).items()}  # gathers on every rank
+        report = {"rank": rank, "shard": shard, "full": list(tensors[next(iter(tensors))].shape)}
+        if rank == 0:
+            _, served = _split_checksums(trainer.worker.engine.weight_checker())
+            report["served_match"] = served == lora_state_checksums(LORA.name, tensors)
+            report["version"] = trainer.worker.get_weight_version()
+        torch.save(tensors, os.path.join(out_dir, f"rank{rank}.pt"))
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_rank_fsdp2_lora_step_shards_the_adapter_and_syncs_the_gathered_tensors(tiny_checkpoint, tmp_path, prompts):
+    import torch.multiprocessing as mp
+
+    path = tiny_checkpoint("llama")
+    mp.start_processes(_lora_rank_main, args=(path, _free_port(), str(tmp_path), prompts), nprocs=2,
+                       start_method="spawn", join=True)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    tensors = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert reports[0]["shard"][0] * 2 == reports[0]["full"][0]  # each rank holds half of every adapter tensor
+    assert tensors[0].keys() == tensors[1].keys() and all(torch.equal(tensors[0][n], tensors[1][n]) for n in tensors[0])
+    assert reports[0]["served_match"] and reports[0]["version"] == "step-1"
