@@ -1,4 +1,4 @@
-"""The LoRA shrink/expand pair in plain torch (the reference a Triton kernel pair will sit beside), and the per-step token map they read."""
+"""The LoRA shrink/expand pair in plain torch (the references engine/kernels/lora.py's Triton pair sits beside), and the per-step token map they read."""
 
 from __future__ import annotations
 
@@ -20,12 +20,19 @@ class LoRASegment:
 
 @dataclass(frozen=True)
 class LoRAMapping:
-    """Which adapter slot each token of one forward pass reads, grouped by slot: one segment per
-    adapter in the step (at most max_loras), so the ops loop over adapters, never over tokens.
-    Tokens of requests without an adapter belong to no segment and get no delta."""
+    """Which adapter slot each token of one forward pass reads, in two forms:
+
+      segments:     grouped by slot, one segment per adapter in the step (at most max_loras), so the
+                    torch references loop over adapters, never over tokens (the CPU path);
+      token_slots:  [T] int32 on the device, the slot of each token (-1: none), read by the Triton pair
+                    (engine/kernels/lora.py). Its shape is the step's token count only, so a CUDA graph's
+                    mapping is a static buffer written before each replay; such a mapping has no segments.
+
+    Tokens of requests without an adapter belong to no segment, have slot -1 and get no delta."""
 
     num_tokens: int
     segments: tuple[LoRASegment, ...]
+    token_slots: torch.Tensor | None = None  # [T] int32, device
 
 
 def make_lora_mapping(token_slots: np.ndarray, device: torch.device) -> LoRAMapping | None:
@@ -39,14 +46,16 @@ def make_lora_mapping(token_slots: np.ndarray, device: torch.device) -> LoRAMapp
     slots = slots[slots >= 0]
     if not len(slots):
         return None
+    device_slots = to_device(torch.from_numpy(np.asarray(token_slots, dtype=np.int32)), device)  # [T] int32
     if len(slots) == 1 and token_slots[0] >= 0 and (token_slots == slots[0]).all():
-        return LoRAMapping(num_tokens, (LoRASegment(int(slots[0]), None),))  # one adapter for all: no gather
+        # One adapter for all: no gather.
+        return LoRAMapping(num_tokens, (LoRASegment(int(slots[0]), None),), device_slots)
     order = np.argsort(token_slots, kind="stable")  # tokens grouped by slot, ascending within each
     starts = np.searchsorted(token_slots[order], slots)
     ends = np.append(starts[1:], num_tokens)
     sorted_ids = to_device(torch.from_numpy(order.astype(np.int64)), device)  # one copy for every segment
     return LoRAMapping(num_tokens, tuple(
-        LoRASegment(int(slot), sorted_ids[start:end]) for slot, start, end in zip(slots, starts, ends)))
+        LoRASegment(int(slot), sorted_ids[start:end]) for slot, start, end in zip(slots, starts, ends)), device_slots)
 
 
 def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRAMapping,
@@ -83,3 +92,40 @@ def lora_expand_ref(buf: torch.Tensor, lora_b: torch.Tensor, mapping: LoRAMappin
             y_slice.add_(buf @ b.t())
         else:
             y_slice.index_add_(0, seg.token_ids, buf.index_select(0, seg.token_ids) @ b.t())
+
+
+# ---- the same pair over token_slots: the signature of engine/kernels/lora.py's Triton kernels ----
+
+def lora_shrink_slots_ref(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor,
+                          out: torch.Tensor) -> torch.Tensor:
+    """Writes out [T, max_rank] = x [T, in] @ A[token_slots[t]]^T row by row, zeros where the slot is -1;
+    lora_a [max_loras, max_rank, in]. Fixed shapes and no host reads: one full product per slot, each
+    row kept only where it is the token's own slot (a reference: it computes max_loras times the work)."""
+    out.zero_()
+    for slot in range(lora_a.shape[0]):
+        rows = (token_slots == slot).unsqueeze(1)  # [T, 1]
+        out.add_(torch.where(rows, x @ lora_a[slot].t(), 0))
+    return out
+
+
+def lora_expand_slots_ref(buf: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, y: torch.Tensor,
+                          offset: int, slice_widths: tuple[int, ...] | None = None) -> None:
+    """Adds buf @ B[token_slots[t]]^T into y's columns from `offset`, in place, nothing where the slot is -1.
+
+    lora_b [max_loras, sum(slice_widths), max_rank] holds the B's of a fused layer's slices one after
+    another (slice_widths None: one slice, all of lora_b's rows); slice s reads buf's columns
+    [s * max_rank, (s + 1) * max_rank) and adds into y's columns [offset + start_s, offset + start_s + width_s):
+
+        buf:     | r_q | r_k | r_v |        lora_b rows:  | q rows | k rows | v rows |
+        y:  offset -> | q cols | k cols | v cols |
+    """
+    rank = lora_b.shape[2]
+    widths = slice_widths or (lora_b.shape[1],)
+    start = 0
+    for s, width in enumerate(widths):
+        y_slice = y.narrow(1, offset + start, width)  # a view: writes land in y
+        u = buf.narrow(1, s * rank, rank)  # [T, max_rank]
+        for slot in range(lora_b.shape[0]):
+            rows = (token_slots == slot).unsqueeze(1)  # [T, 1]
+            y_slice.add_(torch.where(rows, u @ lora_b[slot, start:start + width].t(), 0))
+        start += width

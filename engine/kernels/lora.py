@@ -1,0 +1,191 @@
+"""Multi-LoRA shrink/expand in Triton: one launch each for every token of every adapter in a step, beside the torch references in engine/lora/ops.py.
+
+Each token reads its own adapter slot's A and B, named by a [T] int32 device tensor
+token_slots (-1: no adapter), so the launches have the step's shapes only and a CUDA graph
+replays them for any mix of adapters (engine/worker/cuda_graphs.py writes token_slots before
+each replay). A fused layer's slices run in one launch each: their A's are stacked along the
+rank (shrink sees one [max_loras, num_slices * max_rank, in] tensor) and their B's along the
+output (expand walks the slices on a grid axis):
+
+    shrink:  buf[t, :]        = x[t, :] @ A[slot_t]^T                     [T, num_slices * max_rank]
+    expand:  y[t, cols of s] += buf[t, s-th rank block] @ B_s[slot_t]^T    (nothing where slot_t == -1)
+
+A program owns BLOCK_T tokens; it loops over the slots, and for each slot that one of its
+tokens reads runs a tl.dot over those tokens' rows (the others masked to zero). A row's result
+therefore has the same bits whatever the other tokens of the step are (a graph's padding rows,
+a bigger batch): graph replays and eager steps agree, and adding zeros leaves y's bits alone.
+No host reads and no branch on host state: the whole pair can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from engine.kernels import next_power_of_2, use_triton
+from engine.kernels.pdl import pdl_args
+from engine.lora.ops import lora_expand_slots_ref, lora_shrink_slots_ref
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the references are all there is
+    triton = None
+else:
+    from engine.kernels.pdl import wait_inputs
+
+# Tokens per program: tl.dot's smallest M. Fixed, never chosen from T (see the module docstring).
+BLOCK_T = 16
+SHRINK_BLOCK_R = 16  # rank columns per shrink program: at decode sizes more programs beat re-reading x less
+SHRINK_MAX_BLOCK_K = 256
+EXPAND_MAX_BLOCK_N = 128
+
+if triton is not None:
+
+    # The token count changes every step: not specialized, so serving compiles one variant per layer shape.
+    @triton.jit(do_not_specialize=["num_tokens"])
+    def _lora_shrink_kernel(
+        out_ptr, x_ptr, a_ptr, slots_ptr,
+        num_tokens, num_slots, R, K,
+        stride_xt, stride_al, stride_ar, stride_ot,
+        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """out[t, r] = sum over k of x[t, k] * A[slot_t, r, k] for this program's tokens and rank columns."""
+        wait_inputs(PDL)
+        offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask_t = offs_t < num_tokens
+        mask_r = offs_r < R
+        slots = tl.load(slots_ptr + offs_t, mask=mask_t, other=-1)  # [BLOCK_T]
+        x_rows = x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt  # [BLOCK_T, 1]
+        acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+        # Slot offsets stay int32: max_loras * rank * in is far below 2**31 for any served model.
+        for slot in range(num_slots):
+            rows = slots == slot  # this slot's tokens; each token is in at most one slot's rows
+            if tl.max(rows.to(tl.int32), axis=0) > 0:
+                a_rows = a_ptr + slot * stride_al + offs_r[:, None] * stride_ar  # [BLOCK_R, 1]
+                for k in range(0, K, BLOCK_K):
+                    offs_k = k + tl.arange(0, BLOCK_K)
+                    mask_k = offs_k < K
+                    x = tl.load(x_rows + offs_k[None, :], mask=rows[:, None] & mask_k[None, :], other=0.0)
+                    a = tl.load(a_rows + offs_k[None, :], mask=mask_r[:, None] & mask_k[None, :], other=0.0)
+                    acc += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)  # [BLOCK_T, BLOCK_R]
+        out_ptrs = out_ptr + offs_t.to(tl.int64)[:, None] * stride_ot + offs_r[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_r[None, :])
+
+    @triton.jit(do_not_specialize=["num_tokens"])
+    def _lora_expand_kernel(
+        y_ptr, buf_ptr, b_ptr, slots_ptr, starts_ptr,
+        num_tokens, num_slots, R,
+        stride_yt, stride_ut, stride_bl, stride_bn,
+        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    ):
+        """y[t, n] += sum over r of buf[t, s * R + r] * B[slot_t, n, r] for slice s = program_id(2)'s
+        columns n in [starts[s], starts[s + 1]) of this program's column block; y_ptr is at the offset."""
+        wait_inputs(PDL)
+        s = tl.program_id(2)
+        n_start = tl.load(starts_ptr + s)
+        n_end = tl.load(starts_ptr + s + 1)
+        n_block = n_start + tl.program_id(1) * BLOCK_N
+        if n_block < n_end:  # the grid spans the widest slice: narrower ones have blocks past their end
+            offs_n = n_block + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < n_end
+            offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+            mask_t = offs_t < num_tokens
+            offs_r = tl.arange(0, BLOCK_R)  # BLOCK_R >= R: the whole rank in one dot (padded to tl.dot's 16)
+            mask_r = offs_r < R
+            slots = tl.load(slots_ptr + offs_t, mask=mask_t, other=-1)  # [BLOCK_T]
+            u_rows = buf_ptr + offs_t.to(tl.int64)[:, None] * stride_ut + s * R  # [BLOCK_T, 1]
+            acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+            for slot in range(num_slots):
+                rows = slots == slot
+                if tl.max(rows.to(tl.int32), axis=0) > 0:
+                    u = tl.load(u_rows + offs_r[None, :], mask=rows[:, None] & mask_r[None, :], other=0.0)
+                    b_ptrs = b_ptr + slot * stride_bl + offs_n[:, None] * stride_bn + offs_r[None, :]
+                    b = tl.load(b_ptrs, mask=mask_n[:, None] & mask_r[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
+                    acc += tl.dot(u, tl.trans(b), input_precision=DOT_PRECISION)  # [BLOCK_T, BLOCK_N]
+            # Rows without an adapter are neither read nor written.
+            mask = (slots >= 0)[:, None] & mask_n[None, :]
+            y_ptrs = y_ptr + offs_t.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
+            y = tl.load(y_ptrs, mask=mask, other=0.0)
+            tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _dot_precision(dtype: torch.dtype) -> str | None:
+    return "ieee" if dtype == torch.float32 else None  # float32 inputs: no tf32 rounding
+
+
+def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor,
+                       out: torch.Tensor) -> torch.Tensor:
+    """lora_shrink_slots_ref's result through one launch: x [T, in], lora_a [max_loras, max_rank, in],
+    token_slots [T] int32, out [T, max_rank] (written whole)."""
+    num_tokens, k = x.shape
+    num_slots, rank, _ = lora_a.shape
+    assert lora_a.shape[2] == k and out.shape == (num_tokens, rank) and token_slots.shape == (num_tokens,)
+    assert x.stride(1) == 1 and lora_a.stride(2) == 1 and out.stride(1) == 1 and token_slots.dtype == torch.int32
+    if num_tokens == 0:
+        return out
+    block_k = min(SHRINK_MAX_BLOCK_K, max(16, next_power_of_2(k)))
+    grid = (triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(rank, SHRINK_BLOCK_R))
+    _lora_shrink_kernel[grid](
+        out, x, lora_a, token_slots,
+        num_tokens, num_slots, rank, k,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
+        DOT_PRECISION=_dot_precision(x.dtype),
+        BLOCK_T=BLOCK_T, BLOCK_R=SHRINK_BLOCK_R, BLOCK_K=block_k,
+        num_warps=4, num_stages=2, **pdl_args(),
+    )
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def slice_starts(slice_widths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """[num_slices + 1] int32 on `device`: where each slice's rows start in a stacked B, and the end.
+    Cached, so a CUDA graph's capture finds it made by its warm-up pass (no host copy while capturing)."""
+    starts = [0]
+    for width in slice_widths:
+        starts.append(starts[-1] + width)
+    return torch.tensor(starts, dtype=torch.int32, device=device)
+
+
+def lora_expand_triton(buf: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, y: torch.Tensor,
+                       offset: int, slice_widths: tuple[int, ...] | None = None) -> None:
+    """lora_expand_slots_ref's update through one launch (every slice of a fused layer): buf
+    [T, num_slices * max_rank], lora_b [max_loras, sum(slice_widths), max_rank], y [T, >= offset + sum]."""
+    num_tokens = buf.shape[0]
+    num_slots, total, rank = lora_b.shape
+    widths = slice_widths or (total,)
+    assert sum(widths) == total and buf.shape[1] == len(widths) * rank and y.shape[1] >= offset + total
+    assert y.shape[0] == num_tokens and token_slots.shape == (num_tokens,) and token_slots.dtype == torch.int32
+    assert y.stride(1) == 1 and buf.stride(1) == 1 and lora_b.stride(2) == 1
+    if num_tokens == 0:
+        return
+    block_n = min(EXPAND_MAX_BLOCK_N, max(16, next_power_of_2(max(widths))))
+    grid = (triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(max(widths), block_n), len(widths))
+    _lora_expand_kernel[grid](
+        y[:, offset:], buf, lora_b, token_slots, slice_starts(widths, y.device),
+        num_tokens, num_slots, rank,
+        y.stride(0), buf.stride(0), lora_b.stride(0), lora_b.stride(1),
+        DOT_PRECISION=_dot_precision(y.dtype),
+        BLOCK_T=BLOCK_T, BLOCK_N=block_n, BLOCK_R=max(16, next_power_of_2(rank)),
+        num_warps=4, num_stages=1, **pdl_args(),
+    )
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [T, max_rank] = each token's x @ A[slot]^T (zeros for slot -1); Triton on GPU, the reference otherwise."""
+    if use_triton(x):
+        return lora_shrink_triton(x, lora_a, token_slots, out)
+    return lora_shrink_slots_ref(x, lora_a, token_slots, out)
+
+
+def lora_expand(buf: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, y: torch.Tensor, offset: int,
+                slice_widths: tuple[int, ...] | None = None) -> None:
+    """y[:, offset:] += each token's buf @ B[slot]^T per slice, in place; Triton on GPU, the reference otherwise."""
+    if use_triton(y):
+        lora_expand_triton(buf, lora_b, token_slots, y, offset, slice_widths)
+    else:
+        lora_expand_slots_ref(buf, lora_b, token_slots, y, offset, slice_widths)
