@@ -8,7 +8,14 @@ fused gate/up; the whole output otherwise) there is one pair of stacked tensors:
     lora_a[i]: [max_loras, max_rank, in]     (rows past an adapter's rank are zero)
     lora_b[i]: [max_loras, out_i, max_rank]  (scaling folded in; columns past the rank are zero)
 
-and y[:, slice i] += (x @ A[slot]^T) @ B[slot]^T for each token's slot (engine/lora/ops.py).
+and y[:, slice i] += (x @ A[slot]^T) @ B[slot]^T for each token's slot. The slices' tensors are views
+of two stacked ones (A's along the rank, B's along the output), so on GPU the whole layer's delta is
+one shrink and one expand launch (engine/kernels/lora.py); on CPU the torch references of
+engine/lora/ops.py run per slice over the step's token segments.
+
+Invariant: a (slot, slice) whose adapter has no weights there holds zeros (set_slot and clear_slot
+keep it), so the GPU kernels may run every slice for every slot and a CUDA graph captured before
+any adapter was loaded serves every adapter paged in later (writes land in the same storage).
 
 Tensor parallelism: a column-parallel layer's input is whole on every rank, so A is whole and B
 holds this rank's output rows; a row-parallel layer's input is this rank's slice, so A holds
@@ -24,6 +31,8 @@ from torch import nn
 
 from engine.distributed import all_reduce
 from engine.forward_context import get_forward_context
+from engine.kernels import use_triton
+from engine.kernels.lora import lora_expand, lora_shrink
 from engine.lora.ops import lora_expand_ref, lora_shrink_ref
 from engine.models.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -74,14 +83,24 @@ class LoRALinear:
         out_sizes = [base.output_size] if self.row_parallel else list(base.local_sizes)  # this rank's, per slice
         self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
         self.parts = base.weight.hf_parts  # per slice: this rank's share of the HF tensor (slice_of)
-        self.lora_a = [torch.zeros(max_loras, max_rank, base.input_size, device=device, dtype=dtype)
-                       for _ in out_sizes]
-        self.lora_b = [torch.zeros(max_loras, n, max_rank, device=device, dtype=dtype) for n in out_sizes]
-        # Per slice, the slots whose adapter has weights there: the others add nothing and are skipped.
+        self.slice_widths = tuple(out_sizes)
+        num_slices = len(out_sizes)
+        # [max_loras, num_slices * max_rank, in] and [max_loras, sum(out_sizes), max_rank]; the per-slice
+        # tensors below are views of them (slot writes land here, where the GPU kernels read).
+        self.lora_a_stacked = torch.zeros(max_loras, num_slices * max_rank, base.input_size, device=device,
+                                          dtype=dtype)
+        self.lora_b_stacked = torch.zeros(max_loras, sum(out_sizes), max_rank, device=device, dtype=dtype)
+        self.lora_a = [self.lora_a_stacked[:, i * max_rank:(i + 1) * max_rank] for i in range(num_slices)]
+        self.lora_b = [self.lora_b_stacked[:, offset:offset + n] for offset, n in zip(self.offsets, out_sizes)]
+        # Per slice, the slots whose adapter has weights there: the CPU path skips the others (their A and B are zero).
         self.filled: list[frozenset[int]] = [frozenset() for _ in out_sizes]
 
     def clear_slot(self, slot: int) -> None:
-        """Forgets the adapter in `slot` (its tensors are zeroed when the next one is set)."""
+        """Forgets the adapter in `slot` and zeroes its tensors (the GPU kernels read every slice of every slot)."""
+        for index, filled in enumerate(self.filled):
+            if slot in filled:
+                self.lora_a[index][slot].zero_()
+                self.lora_b[index][slot].zero_()
         self.filled = [filled - {slot} for filled in self.filled]
 
     def set_slot(self, slot: int, slice_index: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
@@ -102,6 +121,14 @@ class LoRALinear:
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # x [T, in (local)], y [T, out (local)]
         mapping = get_forward_context().lora_mapping
         if mapping is None:  # no token of this pass has an adapter (or a warm-up / dummy pass)
+            return y
+        if use_triton(x):
+            # Every slice of every slot, whatever is loaded: no branch on host state, so a CUDA graph can hold it.
+            buf = torch.empty(x.shape[0], self.lora_a_stacked.shape[1], dtype=x.dtype, device=x.device)
+            lora_shrink(x, self.lora_a_stacked, mapping.token_slots, buf)  # [T, num_slices * max_rank]
+            if self.row_parallel and self.tp_size > 1:
+                buf = all_reduce(buf)  # each rank shrank its input columns: partial sums
+            lora_expand(buf, self.lora_b_stacked, mapping.token_slots, y, 0, self.slice_widths)
             return y
         for index, filled in enumerate(self.filled):
             if not filled:

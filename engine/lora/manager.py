@@ -1,4 +1,4 @@
-"""LoRAManager: the worker's adapters - host copies (LRU, max_cpu_loras), device slots (LRU, max_loras) and each step's token map."""
+"""LoRAManager: the worker's adapters - host copies (LRU, max_cpu_loras), device slots (LRU, max_loras) and each step's token slots."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from torch import nn
 
 from engine.config import LoRAConfig
 from engine.lora.layers import LoRALinear, lora_targets
-from engine.lora.ops import LoRAMapping, make_lora_mapping
 from engine.lora.peft_loader import PEFTAdapter, load_peft_adapter
 from engine.lora.request import LoRARequest
 from engine.models.layers import ColumnParallelLinear, RowParallelLinear
@@ -128,8 +127,10 @@ class LoRAManager:
 
     # ---- steps ----
 
-    def activate(self, token_lora_ids: np.ndarray, lora_requests: Mapping[int, LoRARequest]) -> LoRAMapping | None:
-        """Pages the step's adapters into slots and returns its token map (None: no token has an adapter).
+    def activate(self, token_lora_ids: np.ndarray, lora_requests: Mapping[int, LoRARequest]) -> np.ndarray | None:
+        """Pages the step's adapters into slots and returns each token's slot, [T] int32 (-1: no adapter;
+        None: no token has one): an eager step's make_lora_mapping input, or a CUDA graph replay's static buffer.
+        Slots are written in place, so graphs captured before see the adapters paged in now.
 
         token_lora_ids: [T] each token's lora_int_id (0: none); lora_requests: every id in it -> its request.
         The scheduler runs at most max_loras adapters a step, so their slots never evict one another.
@@ -140,8 +141,9 @@ class LoRAManager:
         if len(lora_ids) > self.max_loras:
             raise RuntimeError(f"a step with {len(lora_ids)} adapters, above max_loras ({self.max_loras})")
         slot_of_id = {lora_id: self._slot_for(lora_requests[lora_id], keep=lora_ids) for lora_id in lora_ids}
-        ids, slots = np.array([0, *slot_of_id]), np.array([-1, *slot_of_id.values()])  # ids ascending (np.unique)
-        return make_lora_mapping(slots[np.searchsorted(ids, token_lora_ids)], self.device)  # [T] slot per token
+        ids = np.array([0, *slot_of_id])  # ids ascending (np.unique)
+        slots = np.array([-1, *slot_of_id.values()], dtype=np.int32)
+        return slots[np.searchsorted(ids, token_lora_ids)]  # [T] slot per token
 
     def _slot_for(self, lora: LoRARequest, keep: list[int]) -> int:
         """The slot holding `lora`, paging it in if needed over an empty slot or the least recently used one

@@ -11,6 +11,10 @@ verify steps: every row has 1..max_verify_len tokens (its last known token and i
 Such a graph runs bucket * max_verify_len token slots; the rows' tokens are packed at the
 front, padding rows have no tokens, and the slots past the real tokens belong to no row
 (attention gives them zeros; slot -1: no KV write).
+
+With LoRA on, every graph reads one more static input, each token slot's adapter slot (-1: none,
+as for every padding slot), written before each replay; the graphs always run the LoRA kernels,
+which read whatever adapters are in the slots at replay time (engine/lora/layers.py).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.forward_context import set_forward_context
+from engine.lora.ops import LoRAMapping
 from engine.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -39,7 +44,7 @@ class CudaGraphRunner:
     """Captures and replays decode forward passes; the caller checks `bucket_for` first."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, max_num_seqs: int,
-                 max_num_blocks_per_req: int, max_verify_len: int = 1) -> None:
+                 max_num_blocks_per_req: int, max_verify_len: int = 1, lora: bool = False) -> None:
         self.model = model
         self.device = device
         self.buckets = graph_buckets(max_num_seqs)
@@ -55,19 +60,18 @@ class CudaGraphRunner:
         # Verify graphs' row starts, written every replay (decode graphs keep the one above fixed).
         self.verify_query_start_loc = torch.zeros(n + 1, dtype=torch.int32, device=device)  # [n + 1]
         self.block_table = torch.zeros(n, max_num_blocks_per_req, dtype=torch.int32, device=device)
+        # LoRA (lora=True): each token slot's adapter slot, -1 for none; None without LoRA.
+        self.lora_slots = torch.full((t,), -1, dtype=torch.int32, device=device) if lora else None  # [t]
+        static = [("input_ids", self.input_ids), ("positions", self.positions), ("slot_mapping", self.slot_mapping),
+                  ("seq_lens", self.seq_lens), ("block_table", self.block_table),
+                  ("verify_query_start_loc", self.verify_query_start_loc)]
+        if lora:
+            static.append(("lora_slots", self.lora_slots))
         # Pinned host mirrors, one async copy each per step. Two sets, used in turn: with a step
         # in flight (async scheduling) the previous replay's copies may not have run yet when the
         # next step's inputs are written; the step before that has finished (the engine collects
         # it before launching the next).
-        self._host = [
-            {
-                name: torch.zeros_like(t, device="cpu").pin_memory()
-                for name, t in (("input_ids", self.input_ids), ("positions", self.positions),
-                                ("slot_mapping", self.slot_mapping), ("seq_lens", self.seq_lens),
-                                ("block_table", self.block_table), ("verify_query_start_loc", self.verify_query_start_loc))
-            }
-            for _ in range(2)
-        ]
+        self._host = [{name: torch.zeros_like(t, device="cpu").pin_memory() for name, t in static} for _ in range(2)]
         self._host_np = [{name: t.numpy() for name, t in host.items()} for host in self._host]
         self._turn = 0
         # Keyed by (bucket, tokens per row): (size, 1) decode graphs, (size, max_verify_len) verify graphs.
@@ -91,8 +95,14 @@ class CudaGraphRunner:
             seq_lens_cpu=[0] * size,
         )
 
+    def _lora_mapping(self, size: int, q: int) -> LoRAMapping | None:
+        """The graphs' LoRA mapping: the static slots only (no segments: on GPU the layers read token_slots)."""
+        if self.lora_slots is None:
+            return None
+        return LoRAMapping(size * q, (), self.lora_slots[: size * q])
+
     def _forward(self, size: int, q: int) -> torch.Tensor:
-        with set_forward_context(self._metadata(size, q)):
+        with set_forward_context(self._metadata(size, q), self._lora_mapping(size, q)):
             return self.model(self.input_ids[: size * q], self.positions[: size * q])
 
     @torch.inference_mode()
@@ -135,7 +145,7 @@ class CudaGraphRunner:
         self.outputs.clear()
         self.pool = None
         for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "verify_query_start_loc",
-                     "block_table"):
+                     "block_table", "lora_slots"):
             setattr(self, name, None)
         self._host, self._host_np = [], []  # pinned host memory
 
@@ -154,9 +164,11 @@ class CudaGraphRunner:
             return None
         return self.buckets[int(np.searchsorted(self.buckets, num_reqs))], q
 
-    def replay(self, key: tuple[int, int], batch: InputBatch,
-               fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # [num_tokens, hidden]
-        """fill: (token indices, ids) written into the input ids on the device before the replay."""
+    def replay(self, key: tuple[int, int], batch: InputBatch, fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+               lora_slots: np.ndarray | None = None) -> torch.Tensor:  # [num_tokens, hidden]
+        """fill: (token indices, ids) written into the input ids on the device before the replay;
+        lora_slots: [num_tokens] each token's adapter slot (-1: none; None: no token has an adapter),
+        for graphs captured with LoRA."""
         size, q = key
         n, num_tokens, slots = batch.num_reqs, batch.num_tokens, size * q
         self._turn ^= 1
@@ -173,6 +185,12 @@ class CudaGraphRunner:
         h["slot_mapping"][num_tokens:slots] = -1
         h["seq_lens"][n:size] = 0
         names = ["input_ids", "positions", "slot_mapping"]
+        if self.lora_slots is not None:
+            h["lora_slots"][:num_tokens] = -1 if lora_slots is None else lora_slots
+            h["lora_slots"][num_tokens:slots] = -1  # padding: no adapter
+            names.append("lora_slots")
+        else:
+            assert lora_slots is None, "adapter slots for graphs captured without LoRA"
         for name in names:
             getattr(self, name)[:slots].copy_(host[name][:slots], non_blocking=True)
         names = ["seq_lens", "block_table"]

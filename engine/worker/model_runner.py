@@ -12,8 +12,9 @@ from engine.config import EngineConfig
 from engine.core.sched_output import SchedulerOutput
 from engine.forward_context import set_forward_context
 from engine.host_copy import to_device, to_host
+from engine.kernels import triton_enabled
 from engine.lora.manager import LoRAManager
-from engine.lora.ops import LoRAMapping
+from engine.lora.ops import LoRAMapping, make_lora_mapping
 from engine.sample import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from engine.sample.random_sampling import SeededKeys, mix_seeds
 from engine.wire import LogprobsLists
@@ -130,7 +131,8 @@ class ModelRunner:
         self.num_spec_tokens = num_spec_tokens
 
     def capture_cuda_graphs(self) -> None:
-        """Captures the decode graphs, unless on CPU, enforce_eager, or the attention backend or the model can't replay."""
+        """Captures the decode graphs, unless on CPU, enforce_eager, or the attention backend or the model can't replay
+        (with LoRA: unless the Triton kernels are off)."""
         from engine.attention.layer import get_attention_backend
 
         if self.device.type != "cuda" or self.config.model.enforce_eager:
@@ -139,12 +141,13 @@ class ModelRunner:
             return
         if not getattr(self.model, "supports_cuda_graphs", True):  # e.g. a model whose layers sync with the host
             return
-        if self.lora_manager is not None:
-            # The LoRA delta groups tokens by adapter with host-built index tensors of per-step shapes, which a
-            # graph cannot replay: with LoRA on, every step runs eagerly (until a fixed-shape kernel pair lands).
+        lora = self.lora_manager is not None
+        if lora and not triton_enabled():
+            # Only the Triton pair reads the fixed-shape token slots; the torch references group tokens by
+            # adapter with index tensors of per-step shapes, which a graph cannot replay.
             return
         graphs = CudaGraphRunner(self.model, self.device, self.config.scheduler.max_num_seqs,
-                                 self.max_num_blocks_per_req, max_verify_len=self.num_spec_tokens + 1)
+                                 self.max_num_blocks_per_req, max_verify_len=self.num_spec_tokens + 1, lora=lora)
         graphs.capture()
         self.cuda_graphs = graphs
 
@@ -157,7 +160,7 @@ class ModelRunner:
         if graphs is not None and not self._capturing_routing:  # a graph replay captures nothing
             size = graphs.bucket_for(batch)
             if size is not None:
-                return graphs.replay(size, batch, fill)
+                return graphs.replay(size, batch, fill, self._lora_slots(batch))
         attn_metadata = self.model_state.attn_metadata(batch)
         inputs = self.model_state.model_inputs(batch)
         if fill is not None:
@@ -167,6 +170,12 @@ class ModelRunner:
 
     def _lora_mapping(self, batch: InputBatch) -> LoRAMapping | None:
         """Pages this step's adapters into their slots; each token's slot (None: no LoRA in this step)."""
+        token_slots = self._lora_slots(batch)
+        return None if token_slots is None else make_lora_mapping(token_slots, self.device)
+
+    def _lora_slots(self, batch: InputBatch) -> np.ndarray | None:
+        """Pages this step's adapters into their slots; [T] int32 each token's slot, -1: none (None: no LoRA
+        in this step)."""
         if self.lora_manager is None:
             return None
         row_ids = self.state.lora_ids[batch.slots]  # [B]

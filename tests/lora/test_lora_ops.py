@@ -1,4 +1,5 @@
-"""The torch shrink/expand reference against a per-token loop on random data, and LoRA's config and CLI flags."""
+"""The torch shrink/expand references (segment form and token-slot form) against a per-token loop on random data,
+LoRALinear's stacked slot tensors, and LoRA's config and CLI flags."""
 
 from __future__ import annotations
 
@@ -7,7 +8,17 @@ import pytest
 import torch
 
 from engine.config import LoRAConfig
-from engine.lora.ops import lora_expand_ref, lora_shrink_ref, make_lora_mapping
+from engine.forward_context import set_forward_context
+from engine.kernels.lora import lora_expand, lora_shrink
+from engine.lora.layers import LoRALinear
+from engine.lora.ops import (
+    lora_expand_ref,
+    lora_expand_slots_ref,
+    lora_shrink_ref,
+    lora_shrink_slots_ref,
+    make_lora_mapping,
+)
+from engine.models.layers import QKVLinear, RowParallelLinear
 
 MAX_LORAS, MAX_RANK, IN, OUT = 3, 8, 24, 10
 
@@ -37,6 +48,76 @@ def test_shrink_expand_equal_a_per_token_loop(token_slots):
     mapping = make_lora_mapping(token_slots, torch.device("cpu"))
     lora_expand_ref(lora_shrink_ref(x, lora_a, mapping), lora_b, mapping, y, OUT)
     torch.testing.assert_close(y, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("token_slots", [
+    [2, 2, -1, 0, 0, 2, 1, -1, 1],
+    [1, 1, 1, 1],
+    [-1, 0],
+])
+def test_the_token_slot_form_equals_the_segment_form_on_a_fused_layer(token_slots):
+    """The Triton pair's signature (stacked slices, token_slots) against the segment form run slice by slice."""
+    g = torch.Generator().manual_seed(1)
+    widths = (OUT, 4, 6)  # q, k, v of different widths
+    token_slots = np.array(token_slots)
+    num_tokens = len(token_slots)
+    x = torch.randn(num_tokens, IN, generator=g, dtype=torch.float64)
+    lora_a = torch.randn(MAX_LORAS, len(widths) * MAX_RANK, IN, generator=g, dtype=torch.float64)
+    lora_b = torch.randn(MAX_LORAS, sum(widths), MAX_RANK, generator=g, dtype=torch.float64)
+    y = torch.randn(num_tokens, sum(widths) + 5, generator=g, dtype=torch.float64)
+    offset = 2
+    mapping = make_lora_mapping(token_slots, torch.device("cpu"))
+    assert mapping.token_slots.dtype == torch.int32 and mapping.token_slots.tolist() == token_slots.tolist()
+    want, start = y.clone(), 0
+    for s, width in enumerate(widths):
+        a = lora_a[:, s * MAX_RANK:(s + 1) * MAX_RANK]
+        lora_expand_ref(lora_shrink_ref(x, a, mapping), lora_b[:, start:start + width], mapping, want, offset + start)
+        start += width
+    buf = lora_shrink_slots_ref(x, lora_a, mapping.token_slots, torch.full((num_tokens, lora_a.shape[1]), np.nan,
+                                                                             dtype=torch.float64))
+    assert (buf[torch.from_numpy(token_slots) < 0] == 0).all()
+    got = y.clone()
+    lora_expand_slots_ref(buf, lora_b, mapping.token_slots, got, offset, widths)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("row_parallel", [False, True])
+def test_lora_linear_slots_are_views_of_the_stacked_tensors_the_kernels_read(row_parallel):
+    """What the GPU path computes from the stacked tensors (here through the references) is what the CPU path
+    computes slice by slice; a cleared slot is zero in every slice (the kernels read them all)."""
+    g = torch.Generator().manual_seed(2)
+    base = RowParallelLinear(24, 16) if row_parallel else QKVLinear(32, 8, 4, 2)  # qkv: slices of 32, 16, 16
+    layer = LoRALinear(base, max_loras=3, max_rank=8, device=torch.device("cpu"), dtype=torch.float64)
+    storage = (layer.lora_a_stacked.data_ptr(), layer.lora_b_stacked.data_ptr())
+
+    def put(slot, slices, rank):
+        for s in slices:
+            out_features, in_features = base.weight.hf_parts[s].full_shape
+            layer.set_slot(slot, s, torch.randn(rank, in_features, generator=g, dtype=torch.float64),
+                           torch.randn(out_features, rank, generator=g, dtype=torch.float64))
+
+    slices = [0] if row_parallel else [0, 1, 2]
+    put(0, slices, 8)
+    put(1, slices[-1:], 3)  # v only (or the one slice), rank 3
+    put(2, slices, 5)
+    layer.clear_slot(2)
+    put(2, slices[:1], 2)  # a new adapter over an old one: q only, the old k and v must be gone
+    for s in slices[1:]:  # k and v of slot 2: zero since the clear
+        assert not layer.lora_a[s][2].any() and not layer.lora_b[s][2].any()
+    token_slots = np.array([1, 0, -1, 2, 2, 0, -1, 1])
+    x = torch.randn(len(token_slots), base.input_size, generator=g, dtype=torch.float64)
+    y = torch.randn(len(token_slots), base.output_size, generator=g, dtype=torch.float64)
+    mapping = make_lora_mapping(token_slots, torch.device("cpu"))
+    with set_forward_context(None, mapping):
+        want = layer(x, y.clone())  # the CPU path: segments, per filled slice
+    buf = lora_shrink(x, layer.lora_a_stacked, mapping.token_slots, torch.empty(len(token_slots), 8 * len(slices),
+                                                                                   dtype=torch.float64))
+    got = y.clone()
+    lora_expand(buf, layer.lora_b_stacked, mapping.token_slots, got, 0, layer.slice_widths)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert not torch.equal(want[token_slots >= 0], y[token_slots >= 0])
+    assert torch.equal(want[token_slots < 0], y[token_slots < 0])
+    assert (layer.lora_a_stacked.data_ptr(), layer.lora_b_stacked.data_ptr()) == storage  # written in place
 
 
 def test_no_adapter_in_the_step_is_no_mapping():
