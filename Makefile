@@ -42,8 +42,8 @@ clean-vllm033:
 # Two pytest-xdist workers: run one by one, the tests keep about one core busy (single-threaded
 # start-ups, waits on processes and peers), so two share the machine's two cores. A test file stays
 # on one worker (its module-scoped servers start once) and the files that use Ray run one at a time
-# (the xdist groups of tests/conftest.py).
-PYTEST_XDIST := -n 2 --dist loadgroup
+# (the xdist groups of tests/conftest.py). --durations: the slowest tests in every log, to keep CI under 25 minutes.
+PYTEST_XDIST := -n 2 --dist loadgroup --durations=30
 test: $(VENV)/.installed $(VLLM033)/.built
 	ROLLOUT_REQUIRE_COMPAT=1 $(PY) -m pytest tests $(PYTEST_XDIST)
 
