@@ -93,9 +93,10 @@ class HTTPWeightSyncClient(WeightSyncClient):
 
     def _call(self, method: str, *args: Any) -> Any:
         """The control's route (engine/control.py: its Route says verb, path, query and answer)."""
-        if method == "get_weight_version":
+        if method == "get_weight_version" and all(a is None for a in args):
             # A vLLM server has no /get_weight_version (ours has it as an extra); both answer GET /weight_info
-            # with the same weight_version (a group's engines must agree there too).
+            # with the same weight_version (a group's engines must agree there too). An adapter's version
+            # (lora_name) is only on ours.
             return self._call("weight_info", "target")["weight_version"]
         declared = CONTROLS[method]
         verb, path, query, body = http_request(declared, args)

@@ -173,3 +173,30 @@ def test_two_rank_fsdp2_lora_step_shards_the_adapter_and_syncs_the_gathered_tens
     assert reports[0]["shard"][0] * 2 == reports[0]["full"][0]  # each rank holds half of every adapter tensor
     assert tensors[0].keys() == tensors[1].keys() and all(torch.equal(tensors[0][n], tensors[1][n]) for n in tensors[0])
     assert reports[0]["served_match"] and reports[0]["version"] == "step-1"
+
+
+@pytest.mark.slow
+def test_lora_grpo_against_a_rollout_server_over_http(process_group, launch_server, tiny_checkpoint, tmp_path, prompts,
+                                                      vowel_reward):
+    """The adapter is loaded by name over /v1/load_lora_adapter, requests select it as their `model`, and nccl syncs
+    only its tensors into the server; the served base model stays as launched."""
+    from trainers.engines import HTTPRolloutEngine
+
+    path = tiny_checkpoint("llama")
+    server = launch_server(path, "--enable-rl-routes", "--logprobs-mode", "processed_logprobs", "--enable-lora",
+                           "--max-lora-rank", str(LORA.rank), "--allow-runtime-lora-updating",
+                           "--allowed-lora-paths", str(tmp_path))
+    common = _common(path, tmp_path)
+    common["rollout"] = RolloutConfig(num_prompts_per_step=2, num_samples_per_prompt=4, max_tokens=8, max_model_len=128,
+                                      engine="http", server_url=server.url)
+    with GRPOTrainer(TrainerConfig(**common), single_reward(vowel_reward)) as trainer:
+        assert isinstance(trainer.worker.engine, HTTPRolloutEngine) and trainer.sync.backend == "nccl"
+        base_served, _ = _split_checksums(trainer.worker.engine.weight_checker())
+        history = trainer.train(prompts)
+        assert all(m["mismatch/abs"] < 1e-4 and m["stale_fraction"] == 0.0 for m in history)
+        assert _split_checksums(trainer.worker.engine.weight_checker())[0] == base_served
+        _check_served_adapter(trainer, prompts, "step-2")
+    import httpx
+
+    models = [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]]
+    assert LORA.name in models and server.served_model in models
