@@ -15,12 +15,15 @@ instead of to the model's WeightUpdater. A call delivers PEFT-named tensors
                   adapter's previous tensors serve on, untouched
 
 A rejected call (ValueError) drops only its own tensors; earlier calls of the update stay staged.
+Calls are taken one at a time: an in-process engine (LLM) is called from the trainer's threads at once
+(ipc posts a call per ring buffer before filling it), and each call adds to the adapter staged so far.
 Only the adapter's bytes move: the model's parameters are never read or written here.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -77,11 +80,19 @@ class LoRAWeightUpdater:
         self.manager = manager
         self.target = target  # its transfer engine carries the adapter tensors; its state is the update's
         self._staged: dict[int, tuple[LoRARequest, PEFTAdapter]] = {}  # lora_int_id -> the adapter with this update's tensors
+        # Held for a whole call: two calls staging at once would each add to the same old adapter, and the
+        # later one would drop the earlier one's tensors. Uncontended in an engine process (calls arrive in turn).
+        # No deadlock with ipc's ring: the trainer fills a call's buffer without waiting for any call in flight.
+        self._call_lock = threading.Lock()
 
     def update(self, update_info: dict, lora: LoRARequest) -> int:
         """Receives, checks and stages one call's tensors for adapter `lora`; returns how many were received.
         ValueError naming the bad tensors (this call staged nothing); WeightTransferError when the transfer
         failed (the whole update, the model's part included, is then aborted)."""
+        with self._call_lock:
+            return self._update(update_info, lora)
+
+    def _update(self, update_info: dict, lora: LoRARequest) -> int:
         engine = self.target.transfer_engine
         if engine is None:
             raise WeightUpdateStateError("update_weights: no weight transfer engine; call init_weight_transfer_engine first")
