@@ -276,3 +276,54 @@ def weight_bytes(model: torch.nn.Module) -> int:
             seen.add(id(p))
             total += p.numel() * p.element_size()
     return total
+
+
+# Every projection LoRA can target in the Llama/Qwen families (fused q/k/v and gate/up in the engine).
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_module_shapes(config: dict, targets: list[str]) -> dict[str, tuple[int, int]]:
+    """{HF module name: (in_features, out_features)} of every targeted projection of a Llama/Qwen config."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
+    inter = config["intermediate_size"]
+    per_layer = {"self_attn.q_proj": (hidden, q), "self_attn.k_proj": (hidden, kv), "self_attn.v_proj": (hidden, kv),
+                 "self_attn.o_proj": (q, hidden), "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter),
+                 "mlp.down_proj": (inter, hidden)}
+    unknown = sorted(set(targets) - {name.rpartition(".")[2] for name in per_layer})
+    if unknown:
+        raise ValueError(f"lora targets: {unknown} are not projections of this model ({', '.join(LORA_TARGETS)})")
+    return {f"model.layers.{i}.{name}": shape for i in range(config["num_hidden_layers"])
+            for name, shape in per_layer.items() if name.rpartition(".")[2] in targets}
+
+
+@torch.no_grad()
+def random_peft_adapter(base_path: str, out_dir: str, rank: int, targets: list[str] | None = None, *, seed: int = 0,
+                        dtype: torch.dtype = torch.bfloat16, b_std: float = 0.02) -> str:
+    """Writes a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) of `rank` on
+    `targets` (default all projections) for the checkpoint or shape config at base_path; returns out_dir.
+
+    Built from config.json alone (no base weights, no PEFT model: a 7B shape would need them in memory).
+    A is PEFT-like (uniform, 1/sqrt(in_features)); B is random too, not PEFT's zeros, so the adapter really
+    changes every projection's output (a zero B would be a no-op a kernel could skip)."""
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(base_path) / "config.json").read_text())
+    targets = list(targets or LORA_TARGETS)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module, (in_features, out_features) in lora_module_shapes(config, targets).items():
+        bound = 1.0 / math.sqrt(in_features)
+        a = torch.empty(rank, in_features).uniform_(-bound, bound, generator=gen)
+        b = torch.randn(out_features, rank, generator=gen) * b_std
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.to(dtype)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.to(dtype)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    adapter_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+                      "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "use_rslora": False,
+                      "base_model_name_or_path": str(base_path)}
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+    return str(out)

@@ -6,8 +6,15 @@ weights of the same shapes (on the engine's device). Each backend does one warm-
 are allocated and exported, process groups formed) and then --syncs timed syncs, each of freshly
 changed weights; the engine's version is checked after every sync and its checksums after the last.
 
+--lora-rank R adds, on the same engine (started with enable_lora) and trainer, adapter syncs: a random
+PEFT adapter of rank R on --lora-targets of the model's shape is written to a temp dir and loaded
+(add_lora), and its tensors (adapter_source, --lora-dtype) are synced --lora-syncs times after one
+warm-up, each timed from send_weights() start to the engine serving the adapter's new version; a
+row beside the model's full sync says the bytes and time of each.
+
     python benchmarks/weight_sync.py                                   # CPU: every backend, tiny and ~100M
     python benchmarks/weight_sync.py --device cuda --backends ipc --models qwen3-0.6b qwen2.5-1.5b qwen2.5-7b
+    python benchmarks/weight_sync.py --device cuda --backends ipc --models qwen3-0.6b qwen2.5-7b --lora-rank 16
 """
 
 from __future__ import annotations
@@ -23,15 +30,20 @@ import socket
 import signal
 import statistics
 import sys
+import tempfile
 import threading
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workload import resolve_model, write_json  # noqa: E402
+from workload import load, resolve_model, write_json  # noqa: E402
 
 CPU_BACKENDS = ["local", "nccl", "nccl-unpacked", "sparse_nccl", "ipc", "sharded_rdt"]
+# Backends that sync adapters (engine/worker/lora_weight_update.py): sparse_nccl sends coordinate patches and
+# sharded_rdt plans pulls through the model's weight loaders, and the engine refuses adapters from both.
+LORA_BACKENDS = {"local", "nccl", "nccl-unpacked", "ipc"}
+LORA_NAME = "bench"
 # ~100M parameters: 12 llama layers of width 768 and a 8192-token vocabulary (untied head).
 CPU_SHAPES = {
     "100m": ("llama", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
@@ -54,8 +66,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--stuck-dump-s", type=float, default=60.0,
                    help="a sync still running after this many seconds prints every thread's stack of this process "
                         "and (SIGUSR1) of the engine's processes, then goes on; 0: never")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="also sync a random LoRA adapter of this rank into the same engine (0: full weights only)")
+    p.add_argument("--lora-targets", nargs="+", default=None,
+                   help="--lora-rank: the projections adapted (default: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)")
+    p.add_argument("--lora-syncs", type=int, default=20, help="--lora-rank: timed adapter syncs (after one warm-up)")
+    p.add_argument("--lora-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="--lora-rank: the trainer's adapter tensors (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--json-out", default="benchmarks/out/weight_sync.json")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.lora_rank < 0 or args.lora_syncs < 1:
+        p.error("--lora-rank must be >= 0 and --lora-syncs >= 1")
+    if args.lora_dtype is None:
+        args.lora_dtype = "bfloat16" if args.device == "cuda" else "float32"
+    return args
 
 
 def _free_port() -> int:
@@ -139,10 +163,12 @@ def init_info_for(backend: str, args, world_size: int):
 class Engine:
     """The engine under test in its own process, and the client that drives its weight lifecycle."""
 
-    def __init__(self, path: str, args, ray_actor: bool) -> None:
+    def __init__(self, path: str, args, ray_actor: bool, lora_rank: int = 0) -> None:
         from weight_transfer.clients import LocalWeightSyncClient, RayWeightSyncClient
 
         engine_args = dict(max_model_len=256, device=args.device, disable_log_stats=True)
+        if lora_rank:
+            engine_args.update(enable_lora=True, max_loras=1, max_lora_rank=lora_rank)
         if not os.path.exists(os.path.join(path, "model.safetensors")):
             engine_args["load_format"] = "dummy"
         if args.device == "cuda":
@@ -169,7 +195,7 @@ class Engine:
     def weight_info(self) -> dict:
         return self.client.weight_info()
 
-    def generate_one(self) -> None:
+    def generate_one(self, lora_request=None) -> None:
         from engine import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -177,9 +203,9 @@ class Engine:
         if self.ray_actor:
             import ray
 
-            ray.get(self.worker.generate.remote(prompt, params))
+            ray.get(self.worker.generate.remote(prompt, params, lora_request=lora_request))
         else:
-            self.worker.generate(prompt, params)
+            self.worker.generate(prompt, params, lora_request=lora_request)
 
     def close(self) -> None:
         if self.ray_actor:
@@ -219,13 +245,16 @@ def stuck_dump(after_s: float, what: str):
             timer.cancel()
 
 
-def bench_one(backend: str, model: str, args) -> dict:
+def bench_one(backend: str, model: str, args) -> list[dict]:
+    """The full-weight sync's row, and with --lora-rank (a backend that syncs adapters) the adapter sync's after it."""
     from weight_transfer import StateDictSource, trainer_init
-    from weight_transfer.checksums import hf_state_checksums
+    from weight_transfer.checksums import hf_state_checksums, lora_state_checksums
 
     path = model_path(model, args.device)
-    engine = Engine(path, args, ray_actor=backend == "sharded_rdt")
+    lora_rank = args.lora_rank if backend in LORA_BACKENDS else 0
+    engine = Engine(path, args, ray_actor=backend == "sharded_rdt", lora_rank=lora_rank)
     try:
+        before = load()
         weights = engine.weight_info()["weights"]
         with open(os.path.join(path, "config.json")) as f:
             if json.load(f).get("tie_word_embeddings"):
@@ -252,23 +281,91 @@ def bench_one(backend: str, model: str, args) -> dict:
             sent.append(stats.bytes_sent)
             assert engine.client.get_weight_version() == f"v{i}", "the engine serves the new version"
         engine.generate_one()  # and generates with it
-        match = None
-        if not args.skip_checksums and dense_bytes < 4e9:  # sha256 of every tensor on the host: minutes for 7B
-            report = engine.client.weight_checker(hf_state_checksums(state))
-            match = bool(report["match"])
-        trainer.shutdown()
         median = statistics.median(times)
-        return {
-            "backend": backend, "model": model, "device": args.device, "params": sum(t.numel() for t in state.values()),
+        full = {
+            "backend": backend, "model": model, "device": args.device, "weights": "full",
+            "params": sum(t.numel() for t in state.values()),
             "dense_bytes": dense_bytes, "warmup_s": warm_s, "warmup_bytes_sent": warm.bytes_sent,
             "sync_s": times, "median_s": median, "gb_per_s": dense_bytes / median / 1e9,
-            "bytes_sent_median": statistics.median(sent), "checksums_match": match,
+            "bytes_sent_median": statistics.median(sent), "checksums_match": None,
+            "enable_lora": bool(lora_rank), "load_before": before, "load_after": load(),
         }
+        rows = [full]
+        baseline = hf_state_checksums(state)
+        if lora_rank:
+            lora_row, adapter = bench_lora(engine, trainer, path, args, full)
+            rows.append(lora_row)
+            baseline |= lora_state_checksums(LORA_NAME, adapter)
+        if not args.skip_checksums and dense_bytes < 4e9:  # sha256 of every tensor on the host: minutes for 7B
+            # One check of both: the model's weights are the last full sync's, the adapter's its last sync's.
+            report = engine.client.weight_checker(baseline)
+            wrong = [*report["mismatches"], *report["missing"], *report["unexpected"]]
+            full["checksums_match"] = not any(not k.startswith("lora:") for k in wrong)
+            if lora_rank:
+                rows[1]["checksums_match"] = not any(k.startswith("lora:") for k in wrong)
+        trainer.shutdown()
+        return rows
     finally:
         engine.close()
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
+
+
+def bench_lora(engine: Engine, trainer, path: str, args, full: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Adapter syncs through the full sync's trainer and engine: (the row, the adapter's tensors as last synced)."""
+    from gpu_common import LORA_TARGETS, random_peft_adapter
+    from safetensors.torch import load_file
+
+    from engine.lora.request import LoRARequest
+    from weight_transfer.lora import adapter_source
+
+    targets = args.lora_targets or LORA_TARGETS
+    dtype = getattr(torch, args.lora_dtype)
+    with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
+        lora = LoRARequest(LORA_NAME, 1, random_peft_adapter(path, tmp, args.lora_rank, targets, dtype=dtype))
+        engine.worker.add_lora(lora)  # read into the engine's host cache now: the directory may go afterwards
+        # Serving before the syncs, so it holds a device slot and every sync rewrites it (as in training, where
+        # the adapter generates between syncs); an adapter in no slot would skip that copy.
+        engine.generate_one(lora)
+        # The trainer's copy, on its device (a step's optimizer moves these between syncs).
+        adapter = {name: t.to(args.device) for name, t in load_file(os.path.join(lora.lora_path,
+                                                                                 "adapter_model.safetensors")).items()}
+    source = adapter_source(adapter, LORA_NAME)
+    what = f"{full['backend']} {full['model']} lora r{args.lora_rank}"
+    before = load()
+    start = time.perf_counter()
+    with stuck_dump(args.stuck_dump_s, f"{what} warm-up sync"):
+        warm = trainer.send_weights(source, weight_version="lora-warmup")
+    warm_s = time.perf_counter() - start
+    times, sent = [], []
+    for i in range(args.lora_syncs):
+        perturb(adapter, 1.0, seed=100 + i)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with stuck_dump(args.stuck_dump_s, f"{what} sync {i}"):
+            stats = trainer.send_weights(source, weight_version=f"lora-v{i}")
+        times.append(time.perf_counter() - start)
+        sent.append(stats.bytes_sent)
+        # The adapter serves its new version; the base model's stays the last full sync's.
+        assert engine.client.get_weight_version(lora_name=LORA_NAME) == f"lora-v{i}"
+    assert engine.client.get_weight_version() == f"v{args.syncs - 1}"
+    engine.generate_one(lora)  # and generates with it
+    median = statistics.median(times)
+    dense_bytes = source.num_bytes
+    row = {
+        "backend": full["backend"], "model": full["model"], "device": args.device, "weights": f"lora r{args.lora_rank}",
+        "lora_rank": args.lora_rank, "lora_targets": list(targets), "lora_dtype": args.lora_dtype,
+        "params": sum(t.numel() for t in adapter.values()), "num_tensors": len(adapter),
+        "dense_bytes": dense_bytes, "warmup_s": warm_s, "warmup_bytes_sent": warm.bytes_sent,
+        "sync_s": times, "median_s": median, "median_ms": 1e3 * median, "gb_per_s": dense_bytes / median / 1e9,
+        "bytes_sent_median": statistics.median(sent), "checksums_match": None,
+        "full_sync_median_s": full["median_s"], "full_sync_dense_bytes": full["dense_bytes"],
+        "time_vs_full_sync": median / full["median_s"], "bytes_vs_full_sync": dense_bytes / full["dense_bytes"],
+        "load_before": before, "load_after": load(),
+    }
+    return row, adapter
 
 
 def main() -> None:
@@ -277,21 +374,25 @@ def main() -> None:
     models = args.models or (["tiny-llama", "100m"] if args.device == "cpu" else ["qwen3-0.6b", "qwen2.5-1.5b", "qwen2.5-7b"])
     print(f"Weight sync ({args.device}; {args.syncs} timed syncs after a warm-up; median; send_weights() start "
           "to the engine serving the new version)")
-    print(f"{'backend':<14}{'model':<14}{'params':>14}{'MB':>10}{'warm-up s':>11}{'sync s':>10}{'GB/s':>8}"
-          f"{'sent %':>8}{'checksums':>11}", flush=True)
+    if args.lora_rank:
+        print(f"LoRA adapter syncs: rank {args.lora_rank}, {args.lora_dtype}, {args.lora_syncs} timed after a warm-up, "
+              f"into the same engine (enable_lora) through the same trainer; backends {' '.join(sorted(LORA_BACKENDS))}")
+    print(f"{'backend':<14}{'model':<14}{'weights':<10}{'params':>14}{'MB':>10}{'warm-up s':>11}{'sync ms':>10}"
+          f"{'GB/s':>8}{'sent %':>8}{'checksums':>11}", flush=True)
     rows = []
     for model in models:
         for backend in backends:
-            r = bench_one(backend, model, args)
-            rows.append(r)
-            print(f"{r['backend']:<14}{r['model']:<14}{r['params']:>14,}{r['dense_bytes'] / 1e6:>10.1f}"
-                  f"{r['warmup_s']:>11.3f}{r['median_s']:>10.4f}{r['gb_per_s']:>8.2f}"
-                  f"{100 * r['bytes_sent_median'] / r['dense_bytes']:>8.1f}{str(r['checksums_match']):>11}", flush=True)
-            # Written after every row, so a run cut short keeps what it measured.
+            for r in bench_one(backend, model, args):
+                rows.append(r)
+                print(f"{r['backend']:<14}{r['model']:<14}{r['weights']:<10}{r['params']:>14,}"
+                      f"{r['dense_bytes'] / 1e6:>10.1f}{r['warmup_s']:>11.3f}{1e3 * r['median_s']:>10.2f}"
+                      f"{r['gb_per_s']:>8.2f}{100 * r['bytes_sent_median'] / r['dense_bytes']:>8.1f}"
+                      f"{str(r['checksums_match']):>11}", flush=True)
+            # Written after every backend, so a run cut short keeps what it measured.
             write_json(args.json_out, {
                 "benchmark": "weight_sync", "device": args.device, "machine": platform.node(),
                 "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-                "results": rows,
+                "lora_rank": args.lora_rank, "load": load(), "results": rows,
             })
 
 

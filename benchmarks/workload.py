@@ -36,3 +36,16 @@ def write_json(path: str, result: dict) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {path}")
+
+
+def load() -> dict:
+    """The machine's load average and `uptime`'s line: how busy it was around a measurement."""
+    import subprocess
+    import time
+
+    one, five, fifteen = os.getloadavg()
+    try:
+        line = subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        line = None
+    return {"loadavg": [one, five, fifteen], "uptime": line, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
