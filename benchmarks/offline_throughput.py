@@ -6,11 +6,15 @@ Prompt and output lengths are drawn uniformly from ranges; every request runs to
 vLLM's CPU build) through benchmarks/vllm_peer.py, on the same checkpoint, prompt ids and
 output lengths, alternating with ours --repeats times. --busy-core adds runs while another
 process keeps one core busy, to see what contention does to each engine.
+--num-loras K --lora-rank R runs the same workload a second time on an engine serving K random
+PEFT adapters of rank R (built offline under a temp dir), assigned to the requests round-robin,
+and reports its throughput against the base model's (the first run, an engine without LoRA).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -22,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workload import make_workload, resolve_model, vocab_size_of, write_json  # noqa: E402
+from workload import load, make_workload, resolve_model, vocab_size_of, write_json  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -73,8 +77,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--floor", action="store_true",
                    help="GPU: also the run's floor, step by step (gpu_common.StepFloor: bytes over the measured "
                         "copy bandwidth, FLOPs over the measured GEMM rate)")
+    p.add_argument("--num-loras", type=int, default=0,
+                   help="also run the workload with this many random LoRA adapters, round-robin over the requests")
+    p.add_argument("--lora-rank", type=int, default=16, help="--num-loras: the adapters' rank")
+    p.add_argument("--lora-targets", nargs="+", default=None,
+                   help="--num-loras: the projections adapted (default: q k v o gate up down)")
     p.add_argument("--json-out", default="benchmarks/out/offline_throughput.json")
     args = p.parse_args()
+    if args.num_loras < 0 or args.lora_rank < 1:
+        p.error("--num-loras must be >= 0 and --lora-rank >= 1")
+    if args.num_loras and (args.peer == "vllm" or args.frontend != "llm" or args.data_parallel_size > 1):
+        p.error("--num-loras runs the in-process LLM (--frontend llm, one engine, --peer hf or none)")
     if args.skip_hf:
         args.peer = "none"
     if args.peer == "vllm":
@@ -93,24 +106,30 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def run_engine(args, path: str, work) -> dict:
+def run_engine(args, path: str, work, loras: list | None = None) -> dict:
+    """Ours on the workload; with `loras` (LoRARequests), an engine serving them all, request i running loras[i % K]."""
     if args.data_parallel_size > 1 or args.frontend == "group":
         return run_group(args, path, work)
     from engine import LLM, SamplingParams
 
     extra = {"tensor_parallel_size": args.tensor_parallel_size}
+    if loras:  # every adapter resident at once: the measurement is of mixed batches, not of paging
+        extra.update(enable_lora=True, max_loras=len(loras), max_lora_rank=args.lora_rank)
     rates = None
     if args.floor:  # measured before the engine takes the device's memory
         from gpu_common import copy_bandwidth_bytes_per_s, matmul_flops_per_s
 
         rates = copy_bandwidth_bytes_per_s(), matmul_flops_per_s()
     if torch.cuda.is_available() and args.device != "cpu":
-        extra = dict(gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
+        extra.update(gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
+    request_loras = [loras[i % len(loras)] for i in range(len(work))] if loras else None
     llm = LLM(path, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
               max_model_len=args.input_len[1] + args.output_len[1], **extra)
     warm = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 4
-    llm.generate([{"prompt_token_ids": p} for p, _ in work[:4]], warm, use_tqdm=False)
+    # Warm-up with the first four requests' adapters too: they are read and paged in, their kernels compiled.
+    llm.generate([{"prompt_token_ids": p} for p, _ in work[:4]], warm, use_tqdm=False,
+                 lora_request=request_loras[:4] if loras else None)
     llm.reset_prefix_cache()  # the warm-up prompts must not give the timed run cache hits
 
     prompts = [{"prompt_token_ids": p} for p, _ in work]
@@ -123,7 +142,7 @@ def run_engine(args, path: str, work) -> dict:
         floor = StepFloor(llm, *rates)
     _sync(llm.config.device.resolve())
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=request_loras)
     _sync(llm.config.device.resolve())
     elapsed = time.perf_counter() - start
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -138,6 +157,24 @@ def run_engine(args, path: str, work) -> dict:
         result["floor"] = floor.summary(num_out, elapsed)
     llm.shutdown()  # its device memory is free when this returns: the next run in this process sizes its cache from it
     return result
+
+
+def run_with_loras(args, path: str, work) -> dict:
+    """The workload on an engine serving --num-loras random adapters of --lora-rank (built offline, deleted after)."""
+    from gpu_common import LORA_TARGETS, random_peft_adapter
+
+    from engine.lora.request import LoRARequest
+
+    targets = args.lora_targets or LORA_TARGETS
+    with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
+        # One seed each: different adapters, so a step's rows really run K different products.
+        loras = [LoRARequest(f"bench-{i}", i + 1, random_peft_adapter(path, os.path.join(tmp, str(i)), args.lora_rank,
+                                                                      targets, seed=i))
+                 for i in range(args.num_loras)]
+        adapter_bytes = sum(os.path.getsize(os.path.join(lora.lora_path, "adapter_model.safetensors")) for lora in loras)
+        result = run_engine(args, path, work, loras)
+    return {**result, "num_loras": args.num_loras, "lora_rank": args.lora_rank, "lora_targets": list(targets),
+            "assignment": "round-robin", "adapter_file_bytes": adapter_bytes}
 
 
 def run_group(args, path: str, work) -> dict:
@@ -258,16 +295,6 @@ class BusyCore:
         self.proc.wait()
 
 
-def load() -> dict:
-    """The machine's load average and `uptime`'s line: how busy it was around a measurement."""
-    one, five, fifteen = os.getloadavg()
-    try:
-        line = subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        line = None
-    return {"loadavg": [one, five, fifteen], "uptime": line, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-
-
 def _measured(fn, *fn_args) -> dict:
     before = load()
     result = fn(*fn_args)
@@ -385,8 +412,19 @@ def main() -> None:
         "busy_core": args.busy_core,
         "load": load(),
     }
+    if args.num_loras:  # the base run's load, before the adapters' run (which records its own)
+        result["num_loras"], result["lora_rank"] = args.num_loras, args.lora_rank
     rows = [("ours", ours)]
     print(f"ours: {ours['output_tok_per_s']:.1f} output tok/s in {ours['elapsed_s']:.2f} s", flush=True)  # before HF's slow run
+    if args.num_loras:
+        with BusyCore(args.busy_core_cpu) if args.busy_core else contextlib.nullcontext():  # as the base run
+            with_loras = _measured(run_with_loras, args, path, work)
+        result["lora"] = with_loras
+        result["lora_ratio_vs_base"] = with_loras["output_tok_per_s"] / ours["output_tok_per_s"]
+        name = f"ours+{args.num_loras} LoRA r{args.lora_rank}"
+        rows.append((name, with_loras))
+        print(f"{name}: {with_loras['output_tok_per_s']:.1f} output tok/s in {with_loras['elapsed_s']:.2f} s "
+              f"({result['lora_ratio_vs_base']:.3f} of the base model's)", flush=True)
     if args.peer == "hf":
         dtype = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16,
                  "torch.float16": torch.float16}[ours["dtype"]]
@@ -397,9 +435,11 @@ def main() -> None:
 
     print(f"\nOffline throughput: {args.num_requests} requests, prompt {args.input_len}, output {args.output_len}, "
           f"model {args.model}, device {ours['device']}, {ours['dtype']}")
-    print(f"{'engine':<16}{'output tokens':>15}{'time (s)':>12}{'output tok/s':>15}")
+    print(f"{'engine':<24}{'output tokens':>15}{'time (s)':>12}{'output tok/s':>15}")
     for name, r in rows:
-        print(f"{name:<16}{r['output_tokens']:>15}{r['elapsed_s']:>12.2f}{r['output_tok_per_s']:>15.1f}")
+        print(f"{name:<24}{r['output_tokens']:>15}{r['elapsed_s']:>12.2f}{r['output_tok_per_s']:>15.1f}")
+    if "lora_ratio_vs_base" in result:
+        print(f"ratio with {args.num_loras} adapters / base model: {result['lora_ratio_vs_base']:.3f}")
     if "ratio_vs_hf" in result:
         print(f"ratio ours / HF: {result['ratio_vs_hf']:.2f}x")
     if "floor" in ours:
