@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU tier and the GPU benchmarks in one device call; logs and JSON go to $OUT (default benchmarks/out).
-# Usage: benchmarks/run_gpu.sh [tests] [a] [b] [c] [d] [w] [s] [p] [g] [t] [al] [sd] [x2]   (no argument: all but s, p, g, t, al, sd and x2)
+# Usage: benchmarks/run_gpu.sh [tests] [a] [b] [c] [d] [w] [s] [p] [g] [t] [al] [sd] [lora] [x2]   (no argument: all but s, p, g, t, al, sd, lora and x2)
 # g: small-M linear kernel configs against cuBLAS.
 # t: decode attention tile configs, split-KV and program order, at one context length and at mixed lengths.
 # al: (a) without HF, decode attention programs longest context first.
 # sd: speculative decoding speed-up at batch 1 and 16 (n-gram, draft model) with acceptance rates.
+# lora (issue 26): 0.6B offline throughput with 4 rank-16 adapters mixed against the base model's, and ipc adapter
+#   sync (rank 16, all projections, bf16) beside the full sync for 0.6B and 7B. About 3 minutes.
 # p: where the offline run's time goes (per-step host/GPU split, top kernels).
 # x2 (two GPUs): the two-GPU tests, nccl/sharded_rdt/sparse weight sync GPU 0 -> GPU 1, TP=2 and DP=2 throughput.
 set -uo pipefail
@@ -48,6 +50,11 @@ for part in $parts; do
     s) run sampling_micro $py benchmarks/sampling_micro.py --device cuda --out "$OUT/h200-sampling-micro.json" ;;
     w) run weight_sync $py benchmarks/weight_sync.py --device cuda --backends ipc --buffer-mib 1024 --syncs 5 \
          --models qwen3-0.6b qwen2.5-1.5b qwen2.5-7b --json-out "$OUT/h200-weight-sync.json" ;;
+    lora) run offline_0.6b_lora $py benchmarks/offline_throughput.py --shape qwen3-0.6b --num-requests 256 \
+            --input-len 100 1024 --output-len 100 1024 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+            --temperature 0.6 --skip-hf --num-loras 4 --lora-rank 16 --json-out "$OUT/h200-offline-throughput-lora.json"
+          run weight_sync_lora $py benchmarks/weight_sync.py --device cuda --backends ipc --buffer-mib 1024 --syncs 3 \
+            --models qwen3-0.6b qwen2.5-7b --lora-rank 16 --lora-syncs 20 --json-out "$OUT/h200-weight-sync-lora.json" ;;
     *) echo "unknown part $part" ;;
   esac
 done
