@@ -160,8 +160,17 @@ static inline __attribute__((always_inline)) void attend(const Args *a, int row,
     for (int i = 0; i < Hq * D; i++) store(a->out, out + i, acc[i] * inv_sum[i / D], bf16);
 }
 
-/* ---- The vector path, for head sizes that are a multiple of 16 -------------------------------------------
- * Sixteen float lanes per vector (GCC vector extensions: one AVX-512 register, or two AVX2 ones). */
+/* Asks for the next block while this one is computed: blocks are scattered, and the hardware
+ * prefetcher does not follow a jump to another page. */
+static inline void prefetch_block(const void *base, int64_t offset, int64_t count, const int bf16) {
+    const char *p = (const char *)base + offset * (bf16 ? 2 : 4);
+    const int64_t bytes = count * (bf16 ? 2 : 4);
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+}
+
+#if defined(__AVX512F__)
+/* ---- The vector path with AVX-512, for head sizes that are a multiple of 16 ------------------------------
+ * Sixteen float lanes per vector (GCC vector extensions: one AVX-512 register). */
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -179,14 +188,6 @@ static inline v16 load16(const void *base, int64_t offset, const int bf16) {
     v16 f;
     memcpy(&f, (const float *)base + offset, sizeof f);
     return f;
-}
-
-/* Asks for the next block while this one is computed: blocks are scattered, and the hardware
- * prefetcher does not follow a jump to another page. */
-static inline void prefetch_block(const void *base, int64_t offset, int64_t count, const int bf16) {
-    const char *p = (const char *)base + offset * (bf16 ? 2 : 4);
-    const int64_t bytes = count * (bf16 ? 2 : 4);
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
 /* With AVX512-BF16 (vdpbf16ps): lane j of the result is the sum over 32-element chunks c of
@@ -300,23 +301,198 @@ static inline __attribute__((always_inline)) void attend_vec(const Args *a, int 
     for (int i = 0; i < Hq * D; i++) store(a->out, out + i, acc[i] * inv_sum[i / D], bf16);
 }
 
+#define attend_fast attend_vec
+#else
+/* ---- The vector path without AVX-512 (AVX2: sixteen 256-bit registers), head sizes a multiple of 16 -------
+ * Eight float lanes per vector, one ymm register each; every inner loop holds at most eight accumulators
+ * and the operands it needs, so nothing spills (16-lane vectors took two registers each and did).
+ *
+ * A head's D elements are handled as D/16 chunks of sixteen, each split into two vectors of eight. For
+ * float32 that is elements 0-7 and 8-15; for bfloat16 it is the even and the odd elements of the chunk
+ * (one 32-byte load: the even ones shifted into the high half of each 32-bit lane, the odd ones masked,
+ * two instructions for sixteen values). The query and the output accumulators use the same order, so
+ * dot products and the weighted sum see every element exactly once; the output is put back in order
+ * when it is stored. */
+typedef float v8 __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+enum { LANES8 = 8 };
+
+static inline v8 as_v8(v8u u) {
+    v8 f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* The chunk of sixteen elements at base + offset as two float vectors (see above for the order). */
+static inline void load_chunk(const void *base, int64_t offset, const int bf16, v8 *lo, v8 *hi) {
+    if (bf16) {
+        v8u u;
+        memcpy(&u, (const uint16_t *)base + offset, sizeof u);
+        *lo = as_v8(u << 16);
+        *hi = as_v8(u & 0xffff0000u);
+    } else {
+        memcpy(lo, (const float *)base + offset, sizeof *lo);
+        memcpy(hi, (const float *)base + offset + 8, sizeof *hi);
+    }
+}
+
+/* Position, in a head's chunked order, of element d (bfloat16: even elements first in each chunk of 16). */
+static inline int chunked_index(int d, const int bf16) {
+    return bf16 ? (d & ~15) + ((d & 1) << 3) + ((d & 15) >> 1) : d;
+}
+
+/* Lane t of the result is the sum of all lanes of p[t], by the same tree for every t:
+ * ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). Levels 1 and 2 stay inside 128-bit halves (vshufps),
+ * level 3 combines halves (vperm2f128). */
+static inline v8 sum_lanes8(const v8 p[LANES8]) {
+    v8 u[4], w[2];
+    for (int i = 0; i < 4; i++)
+        u[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 2, 8, 10, 4, 6, 12, 14) +
+               __builtin_shufflevector(p[2 * i], p[2 * i + 1], 1, 3, 9, 11, 5, 7, 13, 15);
+    /* u[i] = [p2i:01 p2i:23 p2i+1:01 p2i+1:23 | p2i:45 p2i:67 p2i+1:45 p2i+1:67] */
+    for (int i = 0; i < 2; i++)
+        w[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 2, 8, 10, 4, 6, 12, 14) +
+               __builtin_shufflevector(u[2 * i], u[2 * i + 1], 1, 3, 9, 11, 5, 7, 13, 15);
+    /* w[i] = [p4i:0-3 p4i+1:0-3 p4i+2:0-3 p4i+3:0-3 | the same for lanes 4-7] */
+    return __builtin_shufflevector(w[0], w[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(w[0], w[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* Scores of `count` (<= 8) keys, rows key_offset, key_offset + stride, ... of the cache, against one
+ * query head q (chunked order), scaled. count is a constant 8 on the common path, so the loops unroll. */
+static inline __attribute__((always_inline)) v8 scores8(const v8 *restrict q, const void *key, int64_t key_offset,
+                                                        int64_t stride, int count, const int D, const int bf16) {
+    v8 part[LANES8];
+    for (int t = 0; t < LANES8; t++) part[t] = (v8){0};
+    for (int c = 0; c < D / 16; c++) {
+        const v8 q0 = q[2 * c], q1 = q[2 * c + 1];
+        for (int t = 0; t < LANES8; t++) {
+            if (t < count) {
+                v8 k0, k1;
+                load_chunk(key, key_offset + t * stride + c * 16, bf16, &k0, &k1);
+                part[t] += q0 * k0;
+                part[t] += q1 * k1;
+            }
+        }
+    }
+    return sum_lanes8(part);
+}
+
+/* attend() for D % 16 == 0 without AVX-512: scores eight keys at a time (one vector of partial products
+ * per key, summed across lanes by sum_lanes8), weighted values accumulated in vectors, even and odd
+ * keys of a row in separate accumulators (two independent FMA chains), added once at the end. A key's
+ * score is the same tree of the same products whatever its place in the chunk, and the value sum's
+ * order is fixed by the row's own positions, so the result depends on the row's own context only. */
+static inline __attribute__((always_inline)) void attend_avx2(const Args *a, int row, int token, int n,
+                                                              float *restrict q, float *restrict scores,
+                                                              float *restrict acc, const int D, const int bf16) {
+    const int Hq = a->num_heads, H = a->num_kv_heads, G = Hq / H, bs = a->block_size, C = D / LANES8;
+    const int64_t stride = (int64_t)H * D; /* between consecutive tokens' rows in a block */
+    const int32_t *table = a->block_table + (int64_t)row * a->block_table_stride;
+    const int64_t q_row = (int64_t)token * a->query_token_stride;
+    for (int h = 0; h < Hq; h++)
+        for (int d = 0; d < D; d++) q[h * D + chunked_index(d, bf16)] = load(a->query, q_row + h * D + d, bf16);
+    const v8 *qv = (const v8 *)q; /* [Hq][C], 32-byte aligned by run_slice */
+    for (int t0 = 0, b = 0; t0 < n; t0 += bs, b++) {
+        const int64_t block = (int64_t)table[b] * bs * stride;
+        if (t0 + bs < n) prefetch_block(a->key, (int64_t)table[b + 1] * bs * stride, (int64_t)bs * stride, bf16);
+        const int end = n - t0 < bs ? n - t0 : bs;
+        for (int i0 = 0; i0 < end; i0 += LANES8) {
+            const int count = end - i0 < LANES8 ? end - i0 : LANES8;
+            for (int h = 0; h < Hq; h++) {
+                const int64_t head = block + (int64_t)i0 * stride + (int64_t)(h / G) * D;
+                float *out = scores + h * n + t0 + i0;
+                if (count == LANES8) { /* the common case: no branch in the key loop */
+                    const v8 sums = scores8(qv + h * C, a->key, head, stride, LANES8, D, bf16) * a->scale;
+                    memcpy(out, &sums, sizeof sums);
+                } else {
+                    const v8 sums = scores8(qv + h * C, a->key, head, stride, count, D, bf16) * a->scale;
+                    for (int t = 0; t < count; t++) out[t] = sums[t];
+                }
+            }
+        }
+    }
+    float inv_sum[Hq];
+    for (int h = 0; h < Hq; h++) inv_sum[h] = 1.0f / softmax_numerators(scores + h * n, n);
+    /* acc: [Hq][2][C] vectors, even keys' sums then odd keys'; 32-byte aligned by run_slice */
+    v8 *accv = (v8 *)acc;
+    for (int i = 0; i < Hq * 2 * C; i++) accv[i] = (v8){0};
+    for (int t0 = 0, b = 0; t0 < n; t0 += bs, b++) {
+        const int64_t block = (int64_t)table[b] * bs * stride;
+        if (t0 + bs < n) prefetch_block(a->value, (int64_t)table[b + 1] * bs * stride, (int64_t)bs * stride, bf16);
+        const int end = n - t0 < bs ? n - t0 : bs;
+        for (int h = 0; h < Hq; h++) {
+            const int64_t head = block + (int64_t)(h / G) * D;
+            const float *p = scores + h * n + t0;
+            /* four vectors (two chunks) of each parity at a time: eight accumulators */
+            for (int c0 = 0; c0 < C; c0 += 4) {
+                const int width = C - c0 < 4 ? C - c0 : 4;
+                v8 even[4] = {{0}}, odd[4] = {{0}}; /* width is 2 or 4 (C is even) */
+                for (int c = 0; c < 4; c++)
+                    if (c < width) even[c] = accv[(h * 2) * C + c0 + c], odd[c] = accv[(h * 2 + 1) * C + c0 + c];
+                /* t0 is a multiple of bs; with an odd bs the parity of i is not the key's parity, which
+                 * does not matter: the split is fixed by the row's positions either way. */
+                int i = 0;
+                for (; i + 1 < end; i += 2) {
+                    const float pe = p[i], po = p[i + 1];
+                    for (int c = 0; c < 4; c += 2) {
+                        if (c < width) {
+                            v8 x0, x1, y0, y1;
+                            load_chunk(a->value, head + (int64_t)i * stride + (c0 + c) * 8, bf16, &x0, &x1);
+                            load_chunk(a->value, head + (int64_t)(i + 1) * stride + (c0 + c) * 8, bf16, &y0, &y1);
+                            even[c] += pe * x0;
+                            even[c + 1] += pe * x1;
+                            odd[c] += po * y0;
+                            odd[c + 1] += po * y1;
+                        }
+                    }
+                }
+                if (i < end) {
+                    const float pe = p[i];
+                    for (int c = 0; c < 4; c += 2) {
+                        if (c < width) {
+                            v8 x0, x1;
+                            load_chunk(a->value, head + (int64_t)i * stride + (c0 + c) * 8, bf16, &x0, &x1);
+                            even[c] += pe * x0;
+                            even[c + 1] += pe * x1;
+                        }
+                    }
+                }
+                for (int c = 0; c < 4; c++)
+                    if (c < width) accv[(h * 2) * C + c0 + c] = even[c], accv[(h * 2 + 1) * C + c0 + c] = odd[c];
+            }
+        }
+    }
+    const int64_t out = (int64_t)token * Hq * D;
+    for (int h = 0; h < Hq; h++) {
+        const float *even = acc + (h * 2) * D, *odd = acc + (h * 2 + 1) * D;
+        for (int d = 0; d < D; d++) {
+            const int j = chunked_index(d, bf16);
+            store(a->out, out + h * D + d, (even[j] + odd[j]) * inv_sum[h], bf16);
+        }
+    }
+}
+#define attend_fast attend_avx2
+#define LANES 16 /* the head-size multiple the vector path needs */
+#endif
+
 /* One specialised copy per element type and common head size, the vector path for any other multiple
  * of 16, and the scalar one for the rest. */
 static void attend_any(const Args *a, int row, int token, int n, float *q, float *scores, float *acc) {
     const int bf16 = a->dtype == DTYPE_BF16;
     switch (a->head_size * 2 + bf16) {
-    case 64: attend_vec(a, row, token, n, q, scores, acc, 32, 0); break;
-    case 65: attend_vec(a, row, token, n, q, scores, acc, 32, 1); break;
-    case 128: attend_vec(a, row, token, n, q, scores, acc, 64, 0); break;
-    case 129: attend_vec(a, row, token, n, q, scores, acc, 64, 1); break;
-    case 256: attend_vec(a, row, token, n, q, scores, acc, 128, 0); break;
-    case 257: attend_vec(a, row, token, n, q, scores, acc, 128, 1); break;
+    case 64: attend_fast(a, row, token, n, q, scores, acc, 32, 0); break;
+    case 65: attend_fast(a, row, token, n, q, scores, acc, 32, 1); break;
+    case 128: attend_fast(a, row, token, n, q, scores, acc, 64, 0); break;
+    case 129: attend_fast(a, row, token, n, q, scores, acc, 64, 1); break;
+    case 256: attend_fast(a, row, token, n, q, scores, acc, 128, 0); break;
+    case 257: attend_fast(a, row, token, n, q, scores, acc, 128, 1); break;
     default:
         if (a->head_size % LANES == 0) {
             if (bf16)
-                attend_vec(a, row, token, n, q, scores, acc, a->head_size, 1);
+                attend_fast(a, row, token, n, q, scores, acc, a->head_size, 1);
             else
-                attend_vec(a, row, token, n, q, scores, acc, a->head_size, 0);
+                attend_fast(a, row, token, n, q, scores, acc, a->head_size, 0);
         } else if (bf16) {
             attend(a, row, token, n, q, scores, acc, a->head_size, 1);
         } else {
@@ -329,8 +505,11 @@ static void *run_slice(void *arg) {
     Slice *s = (Slice *)arg;
     const Args *a = s->a;
     const size_t heads = (size_t)a->num_heads, context = a->max_context > 0 ? (size_t)a->max_context : 1;
-    float *q = malloc(sizeof(float) * heads * a->head_size);
-    float *acc = aligned_alloc(64, sizeof(float) * heads * (size_t)((a->head_size + 15) / 16 * 16));
+    /* q and acc are read as vectors (64-byte aligned, sizes rounded up to 64 bytes); acc holds two sums
+     * per head on the AVX2 path */
+    const size_t padded = (size_t)(a->head_size + 15) / 16 * 16;
+    float *q = aligned_alloc(64, sizeof(float) * heads * padded);
+    float *acc = aligned_alloc(64, sizeof(float) * heads * 2 * padded);
     float *scores = malloc(sizeof(float) * heads * context);
     if (!q || !acc || !scores) {
         s->failed = 1;

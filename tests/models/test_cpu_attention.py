@@ -53,7 +53,7 @@ MIXED = [(1, 37), (1, 1), (3, 3), (5, 40), (1, 200), (16, 16), (17, 60), (1, 16)
 
 @pytest.mark.parametrize("head_size", [16, 32, 64, 80, 128])  # 16 and 80 take the generic-size path
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
-@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("block_size", [4, 5, 16])
 def test_float32_matches_the_reference(head_size, num_heads, num_kv_heads, block_size):
     query, kv_cache, metadata = _case(head_size + num_heads + block_size, MIXED, num_heads, num_kv_heads, head_size,
                                       block_size, torch.float32)
@@ -61,9 +61,10 @@ def test_float32_matches_the_reference(head_size, num_heads, num_kv_heads, block
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("head_size", [32, 64, 128])
-def test_bfloat16_matches_the_reference(head_size):
-    query, kv_cache, metadata = _case(head_size, MIXED, 8, 2, head_size, 16, torch.bfloat16)
+@pytest.mark.parametrize("head_size", [16, 32, 64, 80, 128])  # 16 and 80: the generic-size vector path
+@pytest.mark.parametrize("block_size", [5, 16])  # 5: blocks that split the 8- and 16-key score chunks
+def test_bfloat16_matches_the_reference(head_size, block_size):
+    query, kv_cache, metadata = _case(head_size, MIXED, 8, 2, head_size, block_size, torch.bfloat16)
     expected, actual = _both(query, kv_cache, metadata, 1 / math.sqrt(head_size))
     assert actual.dtype == torch.bfloat16
     # Both accumulate in float32 and round once; they may differ by a rounding step of the output.
