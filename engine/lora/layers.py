@@ -10,8 +10,8 @@ fused gate/up; the whole output otherwise) there is one pair of stacked tensors:
 
 and y[:, slice i] += (x @ A[slot]^T) @ B[slot]^T for each token's slot. The slices' tensors are views
 of two stacked ones (A's along the rank, B's along the output), so on GPU the whole layer's delta is
-one shrink and one expand launch (engine/kernels/lora.py); on CPU the torch references of
-engine/lora/ops.py run per slice over the step's token segments.
+one shrink and one expand launch (engine/kernels/lora.py; the shrink split along the input width); on
+CPU the torch references of engine/lora/ops.py run per slice over the step's token segments.
 
 Invariant: a (slot, slice) whose adapter has no weights there holds zeros (set_slot and clear_slot
 keep it), so the GPU kernels may run every slice for every slot and a CUDA graph captured before
@@ -32,7 +32,7 @@ from torch import nn
 from engine.distributed import all_reduce
 from engine.forward_context import get_forward_context
 from engine.kernels import use_triton
-from engine.kernels.lora import lora_expand, lora_shrink
+from engine.kernels.lora import lora_expand, lora_num_splits, lora_shrink
 from engine.lora.ops import lora_expand_ref, lora_shrink_ref
 from engine.models.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -84,6 +84,7 @@ class LoRALinear:
         self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
         self.parts = base.weight.hf_parts  # per slice: this rank's share of the HF tensor (slice_of)
         self.slice_widths = tuple(out_sizes)
+        self.num_splits = lora_num_splits(base.input_size)  # the GPU shrink's input-width ranges
         num_slices = len(out_sizes)
         # [max_loras, num_slices * max_rank, in] and [max_loras, sum(out_sizes), max_rank]; the per-slice
         # tensors below are views of them (slot writes land here, where the GPU kernels read).
@@ -124,8 +125,10 @@ class LoRALinear:
             return y
         if use_triton(x):
             # Every slice of every slot, whatever is loaded: no branch on host state, so a CUDA graph can hold it.
-            buf = torch.empty(x.shape[0], self.lora_a_stacked.shape[1], dtype=x.dtype, device=x.device)
-            lora_shrink(x, self.lora_a_stacked, mapping.token_slots, buf)  # [T, num_slices * max_rank]
+            # Split-K partial sums, float32: [num_splits, T, num_slices * max_rank] (the expand adds them up).
+            buf = torch.empty(self.num_splits, x.shape[0], self.lora_a_stacked.shape[1], dtype=torch.float32,
+                              device=x.device)
+            lora_shrink(x, self.lora_a_stacked, mapping.token_slots, buf)
             if self.row_parallel and self.tp_size > 1:
                 buf = all_reduce(buf)  # each rank shrank its input columns: partial sums
             lora_expand(buf, self.lora_b_stacked, mapping.token_slots, y, 0, self.slice_widths)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.kernels.lora import lora_expand_triton, lora_shrink_triton
+from engine.kernels.lora import lora_expand_triton, lora_num_splits, lora_shrink_triton
 from engine.lora.ops import lora_expand_slots_ref, lora_shrink_slots_ref
 
 pytestmark = pytest.mark.gpu
@@ -60,22 +60,49 @@ def _reference(x, a, b, slots, y, widths):
     return buf, want
 
 
+def _buffer(num_tokens: int, a: torch.Tensor, split: bool) -> torch.Tensor:
+    """The shrink's output: [T, slices * rank] bf16, or float32 split-K partials as LoRALinear uses them."""
+    if not split:
+        return torch.empty(num_tokens, a.shape[1], device=DEV, dtype=torch.bfloat16)
+    return torch.empty(lora_num_splits(a.shape[2]), num_tokens, a.shape[1], device=DEV, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split-k"])
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
 @pytest.mark.parametrize("k,widths", SHAPES)
-def test_kernel_pair_matches_the_reference_in_bf16(k, widths, num_tokens):
+def test_kernel_pair_matches_the_reference_in_bf16(k, widths, num_tokens, split):
     a, b = _weights(k, widths, seed=k + len(widths))
     slots = _slots(num_tokens, seed=num_tokens)
     x = torch.randn(num_tokens, k, device=DEV).to(torch.bfloat16)
     y = torch.randn(num_tokens, sum(widths), device=DEV).to(torch.bfloat16)
     buf_ref, want = _reference(x, a, b, slots, y, widths)
-    buf = lora_shrink_triton(x, a, slots, torch.empty(num_tokens, a.shape[1], device=DEV, dtype=torch.bfloat16))
+    buf = lora_shrink_triton(x, a, slots, _buffer(num_tokens, a, split))
+    got = y.clone()
+    lora_expand_triton(buf, b, slots, got, 0, widths)
+    if split:
+        buf = buf.sum(0)
     none = slots < 0
     assert (buf[none] == 0).all()
     assert rel_err(buf[~none], buf_ref[~none]) < BF16_REL
-    got = y.clone()
-    lora_expand_triton(buf, b, slots, got, 0, widths)
     assert torch.equal(got[none], y[none])  # rows without an adapter: untouched
     assert rel_err(got[~none] - y[~none].float(), want[~none] - y[~none].float()) < BF16_REL  # the delta itself
+
+
+@pytest.mark.parametrize("k,widths", SHAPES)
+def test_split_k_rows_have_the_same_bits_in_any_batch(k, widths):
+    """A token's delta does not depend on the other tokens of the step (graph padding, a bigger batch): the split
+    count is fixed by the width, so an eager step and a graph replay of another size agree bit for bit."""
+    a, b = _weights(k, widths, seed=5)
+    slots = _slots(300, seed=9)
+    x = torch.randn(300, k, device=DEV).to(torch.bfloat16)
+    y = torch.randn(300, sum(widths), device=DEV).to(torch.bfloat16)
+    outs = []
+    for num_tokens in (300, 37, 5):
+        out = y[:num_tokens].clone()
+        buf = lora_shrink_triton(x[:num_tokens], a, slots[:num_tokens], _buffer(num_tokens, a, split=True))
+        lora_expand_triton(buf, b, slots[:num_tokens], out, 0, widths)
+        outs.append(out)
+    assert torch.equal(outs[0][:37], outs[1]) and torch.equal(outs[0][:5], outs[2])
 
 
 def test_kernel_pair_in_a_cuda_graph_reads_new_slots_and_new_weights():
@@ -86,7 +113,7 @@ def test_kernel_pair_in_a_cuda_graph_reads_new_slots_and_new_weights():
     y0 = torch.randn(num_tokens, sum(widths), device=DEV).to(torch.bfloat16)
     slots = torch.full((num_tokens,), -1, dtype=torch.int32, device=DEV)  # nothing loaded at capture
     y = y0.clone()
-    buf = torch.empty(num_tokens, a.shape[1], device=DEV, dtype=torch.bfloat16)
+    buf = _buffer(num_tokens, a, split=True)  # as LoRALinear runs the pair
 
     def step():
         y.copy_(y0)

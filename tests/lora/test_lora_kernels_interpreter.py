@@ -66,6 +66,14 @@ for token_slots, num_slots, rank, k, widths, offset, ranks in cases:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     assert torch.equal(got[slots < 0], y[slots < 0])  # rows without an adapter: not touched
     assert torch.equal(got[:, :offset], y[:, :offset]) and torch.equal(got[:, offset + n:], y[:, offset + n:])
+    # Split-K: float32 partial sums over ranges of the width (short or empty last ranges), added up by the expand.
+    for num_splits in (2, 3):
+        parts = lora_shrink_triton(x, a, slots, torch.full((num_splits, t, len(widths) * rank), float("nan")))
+        torch.testing.assert_close(parts.sum(0), ref, rtol=1e-5, atol=1e-4)
+        got = y.clone()
+        lora_expand_triton(parts, b, slots, got, offset, widths)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        assert torch.equal(got[slots < 0], y[slots < 0])
 print("ok", len(cases))
 """
 
