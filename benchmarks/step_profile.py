@@ -36,6 +36,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top-kernels", type=int, default=25)
     p.add_argument("--no-kernel-profile", action="store_true", help="skip the torch.profiler pass")
+    p.add_argument("--num-loras", type=int, default=0,
+                   help="serve this many random adapters (all projections), request i running adapter i %% K")
+    p.add_argument("--lora-rank", type=int, default=16, help="--num-loras: the adapters' rank")
     p.add_argument("--json-out", default="benchmarks/out/step_profile.json")
     return p.parse_args()
 
@@ -55,7 +58,7 @@ def _kind(sched) -> str:
     return "prefill/mixed"
 
 
-def traced_run(llm, prompts, params) -> tuple[list[dict], float]:
+def traced_run(llm, prompts, params, loras=None) -> tuple[list[dict], float]:
     """One timed generate() with timers around the core's schedule, execute and update.
 
     With async scheduling an engine step launches step N+1 and collects step N: 'execute' is
@@ -105,7 +108,7 @@ def traced_run(llm, prompts, params) -> tuple[list[dict], float]:
     try:
         _sync()
         start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
+        llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
         _sync()
         elapsed = time.perf_counter() - start
     finally:
@@ -138,13 +141,13 @@ def summarize_steps(records: list[dict]) -> list[dict]:
     return rows
 
 
-def kernel_profile(llm, prompts, params, top: int) -> dict:
+def kernel_profile(llm, prompts, params, top: int, loras=None) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     _sync()
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
+        llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
         _sync()
     wall = time.perf_counter() - start
     totals: dict[str, list[float]] = {}
@@ -171,14 +174,29 @@ def main() -> None:
         path = resolve_model(args.model)
     work = make_workload(args, vocab_size_of(path))
     extra = dict(gpu_memory_utilization=args.gpu_memory_utilization) if torch.cuda.is_available() else {}
+    loras = None
+    if args.num_loras:  # every adapter resident (max_loras = K): mixed batches, not paging
+        import tempfile
+
+        from gpu_common import random_peft_adapter
+
+        from engine.lora.request import LoRARequest
+
+        tmp = tempfile.mkdtemp(prefix="profile-lora-")
+        adapters = [LoRARequest(f"bench-{i}", i + 1, random_peft_adapter(path, os.path.join(tmp, str(i)),
+                                                                         args.lora_rank, seed=i))
+                    for i in range(args.num_loras)]
+        loras = [adapters[i % len(adapters)] for i in range(len(work))]
+        extra.update(enable_lora=True, max_loras=args.num_loras, max_lora_rank=args.lora_rank)
     llm = LLM(path, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.input_len[1] + args.output_len[1], **extra)
     prompts = [{"prompt_token_ids": p} for p, _ in work]
     params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True) for _, n in work]
-    llm.generate(prompts[:4], [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 4, use_tqdm=False)
+    llm.generate(prompts[:4], [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 4, use_tqdm=False,
+                 lora_request=loras[:4] if loras else None)
     llm.reset_prefix_cache()
 
-    records, elapsed = traced_run(llm, prompts, params)
+    records, elapsed = traced_run(llm, prompts, params, loras)
     out_tokens = sum(n for _, n in work)
     rows = summarize_steps(records)
     print(f"\n{args.shape or args.model}: {len(records)} steps, {elapsed:.2f} s, {out_tokens / elapsed:,.0f} output tok/s")
@@ -193,7 +211,7 @@ def main() -> None:
               "by_kind": rows, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
     if not args.no_kernel_profile and torch.cuda.is_available():
         llm.reset_prefix_cache()
-        kp = kernel_profile(llm, prompts, params, args.top_kernels)
+        kp = kernel_profile(llm, prompts, params, args.top_kernels, loras)
         result["kernel_profile"] = kp
         print(f"\nprofiled run: wall {kp['wall_s']:.2f} s, GPU kernels {kp['gpu_kernel_s']:.2f} s "
               f"({kp['gpu_kernel_s'] / kp['wall_s']:.0%} busy)")

@@ -10,8 +10,9 @@ output (expand walks the slices on a grid axis):
     shrink:  buf[t, :]        = x[t, :] @ A[slot_t]^T                     [T, num_slices * max_rank]
     expand:  y[t, cols of s] += buf[t, s-th rank block] @ B_s[slot_t]^T    (nothing where slot_t == -1)
 
-A program owns BLOCK_T tokens; it loops over the slots, and for each slot that one of its
-tokens reads runs a tl.dot over those tokens' rows (the others masked to zero). A row's result
+A program owns BLOCK_T tokens (positions of token_order, a grouping of the step's tokens by
+slot, when given: then most programs' tokens read one slot); it loops over the slots, and for
+each slot that one of its tokens reads runs a tl.dot over those tokens' rows (the others masked to zero). A row's result
 therefore has the same bits whatever the other tokens of the step are (a graph's padding rows,
 a bigger batch): graph replays and eager steps agree, and adding zeros leaves y's bits alone.
 No host reads and no branch on host state: the whole pair can be captured in a CUDA graph.
@@ -47,6 +48,8 @@ BLOCK_T = 16
 SHRINK_BLOCK_R = 16  # rank columns per shrink program: at decode sizes more programs beat re-reading x less
 SHRINK_MAX_BLOCK_K = 256
 EXPAND_MAX_BLOCK_N = 128
+SHRINK_NUM_WARPS = 4
+EXPAND_NUM_WARPS = 4
 SHRINK_K_PER_SPLIT = 256  # input columns per split-K shrink program (rounded up to its BLOCK_K)
 SHRINK_MAX_SPLITS = 16  # partials the expand adds up per token: bounds its extra reads at wide inputs
 
@@ -57,13 +60,23 @@ def lora_num_splits(in_features: int, k_per_split: int = SHRINK_K_PER_SPLIT, max
 
 if triton is not None:
 
+    @triton.jit
+    def _program_tokens(order_ptr, num_tokens, HAS_ORDER: tl.constexpr, BLOCK_T: tl.constexpr):
+        """This program's BLOCK_T token rows and which are real: positions program_id(0) * BLOCK_T + i of the
+        step's tokens, taken through order (tokens grouped by slot) when there is one."""
+        offs = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        mask = offs < num_tokens
+        if HAS_ORDER:
+            offs = tl.load(order_ptr + offs, mask=mask, other=0)
+        return offs, mask
+
     # The token count changes every step: not specialized, so serving compiles one variant per layer shape.
     @triton.jit(do_not_specialize=["num_tokens"])
     def _lora_shrink_kernel(
-        out_ptr, x_ptr, a_ptr, slots_ptr,
+        out_ptr, x_ptr, a_ptr, slots_ptr, order_ptr,
         num_tokens, num_slots, R, K, K_PER_SPLIT,
         stride_xt, stride_al, stride_ar, stride_os, stride_ot,
-        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, HAS_ORDER: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         """out[split, t, r] = sum over this split's k of x[t, k] * A[slot_t, r, k] for this program's tokens and
@@ -72,9 +85,8 @@ if triton is not None:
         split = tl.program_id(2)
         k_start = split * K_PER_SPLIT
         k_end = tl.minimum(K, k_start + K_PER_SPLIT)
-        offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_t, mask_t = _program_tokens(order_ptr, num_tokens, HAS_ORDER, BLOCK_T)
         offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        mask_t = offs_t < num_tokens
         mask_r = offs_r < R
         slots = tl.load(slots_ptr + offs_t, mask=mask_t, other=-1)  # [BLOCK_T]
         x_rows = x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt  # [BLOCK_T, 1]
@@ -97,10 +109,10 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["num_tokens"])
     def _lora_expand_kernel(
-        y_ptr, buf_ptr, b_ptr, slots_ptr, starts_ptr,
+        y_ptr, buf_ptr, b_ptr, slots_ptr, order_ptr, starts_ptr,
         num_tokens, num_slots, R, num_splits,
         stride_yt, stride_us, stride_ut, stride_bl, stride_bn,
-        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, HAS_ORDER: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     ):
         """y[t, n] += sum over r of u[t, s * R + r] * B[slot_t, n, r] for slice s = program_id(2)'s
@@ -114,8 +126,7 @@ if triton is not None:
         if n_block < n_end:  # the grid spans the widest slice: narrower ones have blocks past their end
             offs_n = n_block + tl.arange(0, BLOCK_N)
             mask_n = offs_n < n_end
-            offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-            mask_t = offs_t < num_tokens
+            offs_t, mask_t = _program_tokens(order_ptr, num_tokens, HAS_ORDER, BLOCK_T)
             offs_r = tl.arange(0, BLOCK_R)  # BLOCK_R >= R: the whole rank in one dot (padded to tl.dot's 16)
             mask_r = offs_r < R
             slots = tl.load(slots_ptr + offs_t, mask=mask_t, other=-1)  # [BLOCK_T]
@@ -140,15 +151,22 @@ if triton is not None:
             tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def _check_order(token_order: torch.Tensor | None, num_tokens: int) -> None:
+    assert token_order is None or (token_order.shape == (num_tokens,) and token_order.dtype == torch.int32), \
+        "token_order: [T] int32, a permutation of the step's tokens"
+
+
 def _dot_precision(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None  # float32 inputs: no tf32 rounding
 
 
 def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor,
-                       out: torch.Tensor) -> torch.Tensor:
+                       out: torch.Tensor, token_order: torch.Tensor | None = None) -> torch.Tensor:
     """lora_shrink_slots_ref's result through one launch: x [T, in], lora_a [max_loras, max_rank, in],
     token_slots [T] int32, out [T, max_rank] (written whole), or out [num_splits, T, max_rank] (float32
-    partial sums over num_splits ranges of the input width, each written whole; lora_expand_triton adds them up)."""
+    partial sums over num_splits ranges of the input width, each written whole; lora_expand_triton adds them up).
+    token_order: [T] int32, a permutation of the tokens grouping them by slot (LoRAMapping.token_order):
+    programs take their rows in that order, so most read one adapter, not every one (the same results)."""
     num_tokens, k = x.shape
     num_slots, rank, _ = lora_a.shape
     partials = out.dim() == 3
@@ -156,6 +174,7 @@ def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch
     assert lora_a.shape[2] == k and out.shape[-2:] == (num_tokens, rank) and token_slots.shape == (num_tokens,)
     assert x.stride(1) == 1 and lora_a.stride(2) == 1 and out.stride(-1) == 1 and token_slots.dtype == torch.int32
     assert not partials or out.dtype == torch.float32, "split-K partial sums are float32"
+    _check_order(token_order, num_tokens)
     if num_tokens == 0:
         return out
     k_per_split = -(-k // num_splits)
@@ -163,12 +182,12 @@ def lora_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch
     k_per_split = -(-k_per_split // block_k) * block_k  # whole blocks per split; the last split may be short or empty
     grid = (triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(rank, SHRINK_BLOCK_R), num_splits)
     _lora_shrink_kernel[grid](
-        out, x, lora_a, token_slots,
+        out, x, lora_a, token_slots, token_slots if token_order is None else token_order,
         num_tokens, num_slots, rank, k, k_per_split,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0) if partials else 0, out.stride(-2),
-        DOT_PRECISION=_dot_precision(x.dtype),
+        DOT_PRECISION=_dot_precision(x.dtype), HAS_ORDER=token_order is not None,
         BLOCK_T=BLOCK_T, BLOCK_R=SHRINK_BLOCK_R, BLOCK_K=block_k,
-        num_warps=4, num_stages=2, **pdl_args(),
+        num_warps=SHRINK_NUM_WARPS, num_stages=2, **pdl_args(),
     )
     return out
 
@@ -184,10 +203,11 @@ def slice_starts(slice_widths: tuple[int, ...], device: torch.device) -> torch.T
 
 
 def lora_expand_triton(buf: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, y: torch.Tensor,
-                       offset: int, slice_widths: tuple[int, ...] | None = None) -> None:
+                       offset: int, slice_widths: tuple[int, ...] | None = None,
+                       token_order: torch.Tensor | None = None) -> None:
     """lora_expand_slots_ref's update through one launch (every slice of a fused layer): buf
     [T, num_slices * max_rank] or split-K partials [num_splits, T, num_slices * max_rank] (added up first),
-    lora_b [max_loras, sum(slice_widths), max_rank], y [T, >= offset + sum]."""
+    lora_b [max_loras, sum(slice_widths), max_rank], y [T, >= offset + sum]; token_order as lora_shrink_triton's."""
     num_tokens = buf.shape[-2]
     num_splits = buf.shape[0] if buf.dim() == 3 else 1
     num_slots, total, rank = lora_b.shape
@@ -195,31 +215,35 @@ def lora_expand_triton(buf: torch.Tensor, lora_b: torch.Tensor, token_slots: tor
     assert sum(widths) == total and buf.shape[-1] == len(widths) * rank and y.shape[1] >= offset + total
     assert y.shape[0] == num_tokens and token_slots.shape == (num_tokens,) and token_slots.dtype == torch.int32
     assert y.stride(1) == 1 and buf.stride(-1) == 1 and lora_b.stride(2) == 1
+    _check_order(token_order, num_tokens)
     if num_tokens == 0:
         return
     block_n = min(EXPAND_MAX_BLOCK_N, max(16, next_power_of_2(max(widths))))
     grid = (triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(max(widths), block_n), len(widths))
     _lora_expand_kernel[grid](
-        y[:, offset:], buf, lora_b, token_slots, slice_starts(widths, y.device),
+        y[:, offset:], buf, lora_b, token_slots, token_slots if token_order is None else token_order,
+        slice_starts(widths, y.device),
         num_tokens, num_slots, rank, num_splits,
         y.stride(0), buf.stride(0) if num_splits > 1 else 0, buf.stride(-2), lora_b.stride(0), lora_b.stride(1),
-        DOT_PRECISION=_dot_precision(y.dtype),
+        DOT_PRECISION=_dot_precision(y.dtype), HAS_ORDER=token_order is not None,
         BLOCK_T=BLOCK_T, BLOCK_N=block_n, BLOCK_R=max(16, next_power_of_2(rank)),
-        num_warps=4, num_stages=1, **pdl_args(),
+        num_warps=EXPAND_NUM_WARPS, num_stages=1, **pdl_args(),
     )
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out [T, max_rank] = each token's x @ A[slot]^T (zeros for slot -1); Triton on GPU, the reference otherwise."""
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, out: torch.Tensor,
+                token_order: torch.Tensor | None = None) -> torch.Tensor:
+    """out [T, max_rank] = each token's x @ A[slot]^T (zeros for slot -1); Triton on GPU, the reference otherwise
+    (which has no use for token_order: it changes how the kernels walk the tokens, not the result)."""
     if use_triton(x):
-        return lora_shrink_triton(x, lora_a, token_slots, out)
+        return lora_shrink_triton(x, lora_a, token_slots, out, token_order)
     return lora_shrink_slots_ref(x, lora_a, token_slots, out)
 
 
 def lora_expand(buf: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, y: torch.Tensor, offset: int,
-                slice_widths: tuple[int, ...] | None = None) -> None:
+                slice_widths: tuple[int, ...] | None = None, token_order: torch.Tensor | None = None) -> None:
     """y[:, offset:] += each token's buf @ B[slot]^T per slice, in place; Triton on GPU, the reference otherwise."""
     if use_triton(y):
-        lora_expand_triton(buf, lora_b, token_slots, y, offset, slice_widths)
+        lora_expand_triton(buf, lora_b, token_slots, y, offset, slice_widths, token_order)
     else:
         lora_expand_slots_ref(buf, lora_b, token_slots, y, offset, slice_widths)

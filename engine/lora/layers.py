@@ -128,10 +128,10 @@ class LoRALinear:
             # Split-K partial sums, float32: [num_splits, T, num_slices * max_rank] (the expand adds them up).
             buf = torch.empty(self.num_splits, x.shape[0], self.lora_a_stacked.shape[1], dtype=torch.float32,
                               device=x.device)
-            lora_shrink(x, self.lora_a_stacked, mapping.token_slots, buf)
+            lora_shrink(x, self.lora_a_stacked, mapping.token_slots, buf, mapping.token_order)
             if self.row_parallel and self.tp_size > 1:
                 buf = all_reduce(buf)  # each rank shrank its input columns: partial sums
-            lora_expand(buf, self.lora_b_stacked, mapping.token_slots, y, 0, self.slice_widths)
+            lora_expand(buf, self.lora_b_stacked, mapping.token_slots, y, 0, self.slice_widths, mapping.token_order)
             return y
         for index, filled in enumerate(self.filled):
             if not filled:

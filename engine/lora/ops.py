@@ -27,12 +27,17 @@ class LoRAMapping:
       token_slots:  [T] int32 on the device, the slot of each token (-1: none), read by the Triton pair
                     (engine/kernels/lora.py). Its shape is the step's token count only, so a CUDA graph's
                     mapping is a static buffer written before each replay; such a mapping has no segments.
+      token_order:  [T] int32 on the device, the tokens grouped by slot (a stable argsort of token_slots;
+                    None: as they are, e.g. already grouped), the order the Triton pair's programs take
+                    them in: a decode batch of requests with different adapters then has programs of one
+                    adapter each.
 
     Tokens of requests without an adapter belong to no segment, have slot -1 and get no delta."""
 
     num_tokens: int
     segments: tuple[LoRASegment, ...]
     token_slots: torch.Tensor | None = None  # [T] int32, device
+    token_order: torch.Tensor | None = None  # [T] int32, device
 
 
 def make_lora_mapping(token_slots: np.ndarray, device: torch.device) -> LoRAMapping | None:
@@ -54,8 +59,13 @@ def make_lora_mapping(token_slots: np.ndarray, device: torch.device) -> LoRAMapp
     starts = np.searchsorted(token_slots[order], slots)
     ends = np.append(starts[1:], num_tokens)
     sorted_ids = to_device(torch.from_numpy(order.astype(np.int64)), device)  # one copy for every segment
+    # Already grouped (one run per slot, as a prefill step of whole prompts mostly is): the kernels take the
+    # tokens as they are, sparing the gather.
+    runs = 1 + int(np.count_nonzero(token_slots[1:] != token_slots[:-1]))
+    grouped = runs == len(np.unique(token_slots))
     return LoRAMapping(num_tokens, tuple(
-        LoRASegment(int(slot), sorted_ids[start:end]) for slot, start, end in zip(slots, starts, ends)), device_slots)
+        LoRASegment(int(slot), sorted_ids[start:end]) for slot, start, end in zip(slots, starts, ends)), device_slots,
+        None if grouped else sorted_ids.to(torch.int32))
 
 
 def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRAMapping,

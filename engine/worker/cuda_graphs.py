@@ -12,8 +12,9 @@ Such a graph runs bucket * max_verify_len token slots; the rows' tokens are pack
 front, padding rows have no tokens, and the slots past the real tokens belong to no row
 (attention gives them zeros; slot -1: no KV write).
 
-With LoRA on, every graph reads one more static input, each token slot's adapter slot (-1: none,
-as for every padding slot), written before each replay; the graphs always run the LoRA kernels,
+With LoRA on, every graph reads two more static inputs, each token slot's adapter slot (-1: none,
+as for every padding slot) and the token slots grouped by it (the order the LoRA kernels walk
+them in), written before each replay; the graphs always run the LoRA kernels,
 which read whatever adapters are in the slots at replay time (engine/lora/layers.py).
 """
 
@@ -62,11 +63,13 @@ class CudaGraphRunner:
         self.block_table = torch.zeros(n, max_num_blocks_per_req, dtype=torch.int32, device=device)
         # LoRA (lora=True): each token slot's adapter slot, -1 for none; None without LoRA.
         self.lora_slots = torch.full((t,), -1, dtype=torch.int32, device=device) if lora else None  # [t]
+        # ... and the token slots grouped by adapter slot (LoRAMapping.token_order), padding last in place.
+        self.lora_order = torch.arange(t, dtype=torch.int32, device=device) if lora else None  # [t]
         static = [("input_ids", self.input_ids), ("positions", self.positions), ("slot_mapping", self.slot_mapping),
                   ("seq_lens", self.seq_lens), ("block_table", self.block_table),
                   ("verify_query_start_loc", self.verify_query_start_loc)]
         if lora:
-            static.append(("lora_slots", self.lora_slots))
+            static += [("lora_slots", self.lora_slots), ("lora_order", self.lora_order)]
         # Pinned host mirrors, one async copy each per step. Two sets, used in turn: with a step
         # in flight (async scheduling) the previous replay's copies may not have run yet when the
         # next step's inputs are written; the step before that has finished (the engine collects
@@ -99,7 +102,7 @@ class CudaGraphRunner:
         """The graphs' LoRA mapping: the static slots only (no segments: on GPU the layers read token_slots)."""
         if self.lora_slots is None:
             return None
-        return LoRAMapping(size * q, (), self.lora_slots[: size * q])
+        return LoRAMapping(size * q, (), self.lora_slots[: size * q], self.lora_order[: size * q])
 
     def _forward(self, size: int, q: int) -> torch.Tensor:
         with set_forward_context(self._metadata(size, q), self._lora_mapping(size, q)):
@@ -145,7 +148,7 @@ class CudaGraphRunner:
         self.outputs.clear()
         self.pool = None
         for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "verify_query_start_loc",
-                     "block_table", "lora_slots"):
+                     "block_table", "lora_slots", "lora_order"):
             setattr(self, name, None)
         self._host, self._host_np = [], []  # pinned host memory
 
@@ -188,7 +191,10 @@ class CudaGraphRunner:
         if self.lora_slots is not None:
             h["lora_slots"][:num_tokens] = -1 if lora_slots is None else lora_slots
             h["lora_slots"][num_tokens:slots] = -1  # padding: no adapter
-            names.append("lora_slots")
+            order = h["lora_order"]
+            order[:num_tokens] = np.arange(num_tokens) if lora_slots is None else np.argsort(lora_slots, kind="stable")
+            order[num_tokens:slots] = np.arange(num_tokens, slots)
+            names += ["lora_slots", "lora_order"]
         else:
             assert lora_slots is None, "adapter slots for graphs captured without LoRA"
         for name in names:

@@ -103,6 +103,12 @@ def test_split_k_rows_have_the_same_bits_in_any_batch(k, widths):
         lora_expand_triton(buf, b, slots[:num_tokens], out, 0, widths)
         outs.append(out)
     assert torch.equal(outs[0][:37], outs[1]) and torch.equal(outs[0][:5], outs[2])
+    # Programs taking the tokens grouped by slot (LoRAMapping.token_order), as the engine runs them: the same bits.
+    out = y.clone()
+    order = torch.argsort(slots, stable=True).to(torch.int32)
+    buf = lora_shrink_triton(x, a, slots, _buffer(300, a, split=True), order)
+    lora_expand_triton(buf, b, slots, out, 0, widths, order)
+    assert torch.equal(out, outs[0])
 
 
 def test_kernel_pair_in_a_cuda_graph_reads_new_slots_and_new_weights():

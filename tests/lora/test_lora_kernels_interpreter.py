@@ -74,6 +74,15 @@ for token_slots, num_slots, rank, k, widths, offset, ranks in cases:
         lora_expand_triton(parts, b, slots, got, offset, widths)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
         assert torch.equal(got[slots < 0], y[slots < 0])
+        # Programs walking the tokens grouped by slot (LoRAMapping.token_order), or in any other order: same results.
+        for order in (torch.argsort(slots, stable=True), torch.randperm(t, generator=g)):
+            order = order.to(torch.int32)
+            parts_o = lora_shrink_triton(x, a, slots, torch.full_like(parts, float("nan")), order)
+            torch.testing.assert_close(parts_o, parts, rtol=1e-6, atol=1e-5)
+            got_o = y.clone()
+            lora_expand_triton(parts_o, b, slots, got_o, offset, widths, order)
+            torch.testing.assert_close(got_o, got, rtol=1e-6, atol=1e-5)
+            assert torch.equal(got_o[slots < 0], y[slots < 0])
 print("ok", len(cases))
 """
 

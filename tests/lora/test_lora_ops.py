@@ -143,3 +143,22 @@ def test_rollout_launch_takes_vllms_lora_flags(base_model):
                                       "--max-lora-rank", "16", "--max-cpu-loras", "8"])
     config = create_engine_config(**dataclass_kwargs(args, LoRAConfig), model=base_model).lora
     assert (config.enable_lora, config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (True, 4, 16, 8)
+
+
+@pytest.mark.parametrize("token_slots,grouped", [
+    ([2, 2, -1, 0, 0, 2, 1, -1, 1], False),  # a decode batch: the kernels take the tokens grouped by slot
+    ([1, 1, 0, 0, 0, -1], True),  # one run per slot (a prefill step of whole prompts): as they are
+    ([0, 1, 0], False),
+])
+def test_token_order_groups_the_tokens_by_slot_unless_they_are(token_slots, grouped):
+    mapping = make_lora_mapping(np.array(token_slots), torch.device("cpu"))
+    if grouped:
+        assert mapping.token_order is None
+        return
+    order = mapping.token_order
+    assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(len(token_slots)))
+    in_order = [token_slots[i] for i in order.tolist()]
+    assert in_order == sorted(token_slots)  # grouped by slot, ascending
+    for slot in set(token_slots):  # stable: each slot's tokens ascending
+        ids = [i for i in order.tolist() if token_slots[i] == slot]
+        assert ids == sorted(ids)
