@@ -345,6 +345,7 @@ def run_vllm_comparison(args, path: str, work) -> None:
         "torch_threads": torch.get_num_threads(), "vllm": runs["vllm"][0]["vllm"],
         "runs": runs, "median_output_tok_per_s": median, "ratios": ratios,
         "output_tok_per_s": median["ours"],
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "git_commit": _git_commit(),
     }
     print(f"\nOffline throughput: {args.num_requests} requests, prompt {args.input_len}, output {args.output_len}, "
           f"model {args.model}, cpu, {dtype}, ours through {args.frontend}, vLLM {result['vllm']}; "
@@ -357,6 +358,19 @@ def run_vllm_comparison(args, path: str, work) -> None:
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}x")
     write_json(args.json_out, result)
+
+
+def _git_commit() -> str | None:
+    """The checkout's HEAD (with "+dirty" when tracked files differ), so a result names the code it measured."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
 
 
 def _dtype(args, device: str) -> torch.dtype:
