@@ -98,26 +98,40 @@ class LoRALinear:
 
     def clear_slot(self, slot: int) -> None:
         """Forgets the adapter in `slot` and zeroes its tensors (the GPU kernels read every slice of every slot)."""
-        for index, filled in enumerate(self.filled):
-            if slot in filled:
-                self.lora_a[index][slot].zero_()
-                self.lora_b[index][slot].zero_()
-        self.filled = [filled - {slot} for filled in self.filled]
+        filled = [index for index, slots in enumerate(self.filled) if slot in slots]
+        if filled:  # one multi-tensor launch for the layer, not two per slice
+            torch._foreach_zero_([t[index][slot] for index in filled for t in (self.lora_a, self.lora_b)])
+        self.filled = [slots - {slot} for slots in self.filled]
 
     def set_slot(self, slot: int, slice_index: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
         """Writes one HF module's adapter into `slot`: lora_a [rank, in], lora_b [out, rank] (scaled), full HF shapes."""
-        part = self.parts[slice_index]
-        if self.row_parallel:
-            lora_a = part.slice_of(lora_a)  # this rank's input columns
-        else:
-            lora_b = part.slice_of(lora_b)  # this rank's output rows
         rank = lora_a.shape[0]
         a, b = self.lora_a[slice_index][slot], self.lora_b[slice_index][slot]
         a.zero_()
         b.zero_()
-        a[:rank].copy_(lora_a)
-        b[:, :rank].copy_(lora_b)
+        self.slot_region(slot, slice_index, "A", rank).copy_(self.shard(slice_index, "A", lora_a))
+        self.slot_region(slot, slice_index, "B", rank).copy_(self.shard(slice_index, "B", lora_b))
         self.filled[slice_index] = self.filled[slice_index] | {slot}
+
+    def slot_region(self, slot: int, slice_index: int, which: str, rank: int) -> torch.Tensor:
+        """Where a rank-`rank` module's lora_A ("A": its first rank rows, [rank, in (local)]) or lora_B ("B": its
+        first rank columns, [out (local), rank]) lives in `slot` (a view of the stacked tensor the kernels read).
+        Writing a (slot, slice) that is filled by an adapter of the same rank keeps the invariant: the rows and
+        columns past the rank are zero already and stay so (a weight sync rewrites just these regions)."""
+        if which == "A":
+            return self.lora_a[slice_index][slot].narrow(0, 0, rank)
+        return self.lora_b[slice_index][slot].narrow(1, 0, rank)
+
+    def shard(self, slice_index: int, which: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's share (a view) of a full HF lora_A [rank, in] ("A") or lora_B [out, rank] ("B") of the
+        slice: a row-parallel layer's A keeps its input columns, a column-parallel layer's B its output rows."""
+        if (which == "A") == self.row_parallel:
+            return self.parts[slice_index].slice_of(full)
+        return full
+
+    def shards(self, slice_index: int, which: str) -> bool:
+        """Whether shard() cuts anything (tensor parallelism), i.e. whether the full tensor is not already this rank's."""
+        return (which == "A") == self.row_parallel and self.parts[slice_index].dim is not None
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # x [T, in (local)], y [T, out (local)]
         mapping = get_forward_context().lora_mapping

@@ -6,7 +6,9 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -55,14 +57,30 @@ class LoRAModuleWeights:
 
 @dataclass(frozen=True)
 class PEFTAdapter:
-    """A validated adapter: its modules by HF name (e.g. model.layers.0.self_attn.q_proj)."""
+    """A validated adapter: its modules by HF name (e.g. model.layers.0.self_attn.q_proj).
+
+    A weight sync's host copy may still be filling from the device when it is installed (`pending`): its
+    tensors' shapes are final, their values readable only after ready(). Every reader of values on the
+    host (checksums, paging into a slot) calls ready() first; merely sharing tensors (with_tensors) does not.
+    """
 
     rank: int  # the largest rank of its modules
     modules: dict[str, LoRAModuleWeights]
+    # Which load this is: its modules, ranks and scalings. with_tensors keeps it (values change, shapes do not),
+    # so whatever was planned for one version of the adapter (a sync's checks, its slot regions) fits the next.
+    layout: object = field(default_factory=object, compare=False, repr=False)
+    # A torch.cuda.Event that passes once a device-to-host copy into these tensors is complete; None: readable now.
+    pending: Any = field(default=None, compare=False, repr=False)
 
     @property
     def num_bytes(self) -> int:
         return sum(w.lora_a.nbytes + w.lora_b.nbytes for w in self.modules.values())
+
+    def ready(self) -> PEFTAdapter:
+        """This adapter, once its tensors' values may be read on the host (waits for a pending copy)."""
+        if self.pending is not None:
+            self.pending.synchronize()
+        return self
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """{PEFT tensor name (base_model.model.<module>.lora_A.weight / .lora_B.weight): tensor}, as saved."""
@@ -75,13 +93,21 @@ class PEFTAdapter:
     def with_tensors(self, tensors: dict[str, torch.Tensor]) -> PEFTAdapter:
         """This adapter with some of its tensors replaced ({PEFT tensor name: float32 tensor of the same shape},
         already checked against it); the other modules' tensors are shared, not copied."""
+        return self.replaced([split_peft_tensor_name(name) for name in tensors], list(tensors.values()))
+
+    def replaced(self, targets: Sequence[tuple[str, str]], tensors: Sequence[torch.Tensor],
+                 pending: Any = None) -> PEFTAdapter:
+        """with_tensors by (module, "A" or "B") per tensor (a later entry for the same tensor wins); `pending`:
+        the event of a copy still filling them (see the class docstring)."""
+        new: dict[str, list[torch.Tensor | None]] = {}
+        for (module, which), tensor in zip(targets, tensors, strict=True):
+            new.setdefault(module, [None, None])[which == "B"] = tensor
         modules = dict(self.modules)
-        for name, tensor in tensors.items():
-            module, which = split_peft_tensor_name(name)
+        for module, (lora_a, lora_b) in new.items():
             old = modules[module]
-            modules[module] = LoRAModuleWeights(tensor if which == "A" else old.lora_a,
-                                                tensor if which == "B" else old.lora_b, old.scaling)
-        return PEFTAdapter(self.rank, modules)
+            modules[module] = LoRAModuleWeights(old.lora_a if lora_a is None else lora_a,
+                                                old.lora_b if lora_b is None else lora_b, old.scaling)
+        return PEFTAdapter(self.rank, modules, self.layout, self.pending if pending is None else pending)
 
 
 def peft_tensor_name(module: str, which: str) -> str:
