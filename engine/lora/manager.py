@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,6 +33,10 @@ class LoRAManager:
     Pinned adapters (pin_lora) never leave the host cache and do not count against max_cpu_loras
     (each is an operator's explicit call); their slots are the last to be reused.
     A synced adapter (install: a trainer's weight sync) is pinned: its weights are in no file to read again.
+    Its host copy equals what was synced, but on CUDA it is filled by a copy from the device still running
+    when install returns (PEFTAdapter.pending): every read of host values here goes through ready().
+    Its slot, when it has one, is written from the synced tensors on the device (_rewrite_slot), not from
+    the host copy; both hold the same values, so paging the host copy in later gives the slot it had.
     """
 
     def __init__(self, model: nn.Module, config: LoRAConfig, device: torch.device, dtype: torch.dtype) -> None:
@@ -47,6 +53,8 @@ class LoRAManager:
         self._pinned: set[int] = set()
         self._names: dict[int, str] = {}  # lora_int_id -> lora_name of each host copy (checksums name adapters)
         self._slot_ids: list[int] = [0] * self.max_loras  # adapter id per slot; 0: empty
+        self._slot_layouts: list[object | None] = [None] * self.max_loras  # PEFTAdapter.layout each slot was written with
+        self._rewrites: dict[tuple, _SlotRewrite] = {}  # (slot, layout, tensors) -> where a sync's tensors land
         self._slot_uses: OrderedDict[int, None] = OrderedDict((slot, None) for slot in range(self.max_loras))
         self.num_disk_loads = 0  # adapters read from disk (a paged-out host copy read again counts again)
         self.num_slot_loads = 0  # adapters written into a slot
@@ -98,19 +106,67 @@ class LoRAManager:
         self.add_lora(lora)
         return self._host[lora.lora_int_id]
 
-    def install(self, lora: LoRARequest, adapter: PEFTAdapter) -> None:
+    def install(self, lora: LoRARequest, adapter: PEFTAdapter, synced: Sequence[tuple[str, str]] | None = None,
+                sources: Sequence[torch.Tensor] | None = None) -> None:
         """Makes `adapter` (a synced version, checked against the old one) the adapter's weights: its host copy,
         pinned, and its slot when it has one. Between steps: a request already running with it computes its
         next tokens with these weights over the KV cache the old ones computed (vLLM's behaviour for a
         re-added adapter); the EngineCore gives the adapter a new prefix-cache key so no new request reuses
-        that KV."""
+        that KV.
+
+        synced, sources: the tensors the sync changed, (module, "A" or "B") each and its values as synced
+        (float32, full HF shapes, unscaled, on the slots' device). The slot is then rewritten from these where
+        they are, with a few multi-tensor launches and no host round trip; without them, from the host copy."""
         lora_id = lora.lora_int_id
         self._host[lora_id] = adapter
         self._host.move_to_end(lora_id)
         self._names[lora_id] = lora.lora_name
         self._pinned.add(lora_id)
         if lora_id in self._slot_ids:
-            self._write_slot(self._slot_ids.index(lora_id), lora_id, adapter)
+            slot = self._slot_ids.index(lora_id)
+            if synced is not None and self._slot_layouts[slot] is adapter.layout:
+                self._rewrite_slot(slot, adapter, tuple(synced), sources)
+            else:  # the slot holds another load of the adapter (other ranks, maybe): written whole
+                self._write_slot(slot, lora_id, adapter)
+
+    def _rewrite_slot(self, slot: int, adapter: PEFTAdapter, synced: tuple[tuple[str, str], ...],
+                      sources: Sequence[torch.Tensor]) -> None:
+        """Overwrites the synced tensors' regions of `slot`, which holds the same load of the adapter (so the
+        same ranks: the rows and columns past them stay zero, LoRALinear.slot_region), B scaled as it lands."""
+        key = (slot, adapter.layout, synced)
+        plan = self._rewrites.get(key)
+        if plan is None:
+            if len(self._rewrites) >= _MAX_REWRITES:
+                self._rewrites.clear()
+            plan = self._rewrites[key] = self._plan_rewrite(slot, adapter, synced)
+        a_srcs = [sources[i] if shard is None else shard(sources[i]) for i, shard in plan.a_srcs]
+        b_srcs = [sources[i] if shard is None else shard(sources[i]) for i, shard in plan.b_srcs]
+        if a_srcs:
+            torch._foreach_copy_(plan.a_dsts, a_srcs)
+        if b_srcs:  # scaled in float32, then cast into the slot: what set_slot writes from the host copy
+            torch._foreach_copy_(plan.b_dsts, torch._foreach_mul(b_srcs, plan.b_scales))
+        self.num_slot_loads += 1
+
+    def _plan_rewrite(self, slot: int, adapter: PEFTAdapter, synced: tuple[tuple[str, str], ...]) -> _SlotRewrite:
+        plan = _SlotRewrite([], [], [], [], [])
+        scales = []
+        for i, (module, which) in enumerate(synced):
+            target, weights = self.targets[module], adapter.modules[module]
+            layer = self.layers[target.module_name]
+            dst = layer.slot_region(slot, target.slice_index, which, weights.rank)
+            shard = None
+            if layer.shards(target.slice_index, which):
+                shard = functools.partial(layer.shard, target.slice_index, which)
+            if which == "A":
+                plan.a_dsts.append(dst)
+                plan.a_srcs.append((i, shard))
+            else:
+                plan.b_dsts.append(dst)
+                plan.b_srcs.append((i, shard))
+                scales.append(weights.scaling)
+        # One scalar when all modules share it (the usual adapter): the simplest multi-tensor launch.
+        plan.b_scales = scales[0] if len(set(scales)) == 1 else scales
+        return plan
 
     def checksums(self) -> dict[str, str]:
         """{"lora:<lora_name>:<PEFT tensor name>": checksum} of every adapter held in host memory: the float32
@@ -121,7 +177,7 @@ class LoRAManager:
         for lora_id, adapter in self._host.items():
             name = self._names[lora_id]
             label = name if counts[name] == 1 else f"{name}#{lora_id}"
-            for tensor_name, tensor in adapter.tensors().items():
+            for tensor_name, tensor in adapter.ready().tensors().items():
                 out[lora_checksum_name(label, tensor_name)] = tensor_checksum(tensor)
         return out
 
@@ -171,14 +227,31 @@ class LoRAManager:
 
     def _write_slot(self, slot: int, lora_id: int, adapter: PEFTAdapter) -> None:
         self._free_slot(slot)
-        for hf_name, weights in adapter.modules.items():
+        for hf_name, weights in adapter.ready().modules.items():
             target = self.targets[hf_name]
             self.layers[target.module_name].set_slot(slot, target.slice_index, weights.lora_a,
                                                      weights.lora_b * weights.scaling)
         self._slot_ids[slot] = lora_id
+        self._slot_layouts[slot] = adapter.layout
         self.num_slot_loads += 1
 
     def _free_slot(self, slot: int) -> None:
         for layer in self.layers.values():
             layer.clear_slot(slot)
         self._slot_ids[slot] = 0
+        self._slot_layouts[slot] = None
+
+
+_MAX_REWRITES = 16  # slot-rewrite plans kept (one per slot and recurring sync of an adapter)
+
+
+@dataclass
+class _SlotRewrite:
+    """Where one recurring sync's tensors land in one slot: the regions (views of the layers' stacked tensors)
+    and, per region, the position of its source among the synced tensors and this rank's cut of it (None: whole)."""
+
+    a_dsts: list[torch.Tensor]
+    a_srcs: list[tuple[int, Callable | None]]
+    b_dsts: list[torch.Tensor]
+    b_srcs: list[tuple[int, Callable | None]]
+    b_scales: float | list[float]  # each B's scaling (PEFT's lora_alpha / rank), one float when all are equal
