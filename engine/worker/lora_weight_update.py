@@ -7,8 +7,8 @@ instead of to the model's WeightUpdater. A call delivers PEFT-named tensors
 
     update(...)   every announced name, shape and dtype is checked against the adapter as loaded
                   (its modules, ranks) before anything is received; the stream is then read to its
-                  end into float32 host copies (so a rejected call leaves the transport usable),
-                  the values checked finite, and the call staged: nothing serves it yet
+                  end into float32 staging on the slots' device (so a rejected call leaves the
+                  transport usable), the values checked finite, and the call staged: nothing serves it yet
     commit()      at finish_weight_update: each staged adapter becomes its host copy and slot
                   (LoRAManager.install), all between two steps
     discard()     at abort, a failed transfer, shutdown: the staged tensors are dropped, so the
@@ -18,13 +18,23 @@ A rejected call (ValueError) drops only its own tensors; earlier calls of the up
 Calls are taken one at a time: an in-process engine (LLM) is called from the trainer's threads at once
 (ipc posts a call per ring buffer before filling it), and each call adds to the adapter staged so far.
 Only the adapter's bytes move: the model's parameters are never read or written here.
+
+Cost: a call is a handful of launches and one host sync, whatever its number of tensors. A recurring call
+(same adapter load, names, dtypes, shapes: every sync of a training run) is checked and laid out once
+(_CallPlan). Its tensors are copied by multi-tensor copies, group by group as the backend's views allow
+(WeightUpdateInfo.group_sizes, views_stable_per_call), into one float32 buffer on the slots' device (a
+backend may reuse its buffers once the next tensor is pulled); one isfinite over that buffer is read once
+the stream ended. At commit the slot is rewritten from that buffer on the device (LoRAManager.install),
+and the host copy is one copy of the buffer to pinned memory on a side stream, still running when commit
+returns (PEFTAdapter.pending: host readers wait for it). On CPU the buffer is the host copy itself.
 """
 
 from __future__ import annotations
 
-import math
+import itertools
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +48,7 @@ from weight_transfer.base import SparseWeightPatch, WeightTransferEngine, Weight
 _MAX_SHOWN = 20  # problems one error lists; the rest are counted
 # Backends whose engine side plans each call against the model's own weights, and why adapters do not fit.
 _WHOLE_MODEL_BACKENDS = {"sharded_rdt": "it plans which slices to pull through the model's weight loaders"}
+_MAX_PLANS = 16  # recurring calls' plans kept (_CallPlan); all are dropped when one more comes
 
 
 def check_adapter_tensors(adapter: PEFTAdapter, lora_name: str,
@@ -73,13 +84,69 @@ def check_adapter_tensors(adapter: PEFTAdapter, lora_name: str,
         raise ValueError("; ".join(problems[:_MAX_SHOWN] + ([f"... and {more} more"] if more > 0 else [])))
 
 
+@dataclass(frozen=True)
+class _CallPlan:
+    """One recurring call checked against one load of an adapter (PEFTAdapter.layout) and laid out in a flat
+    float32 buffer: tensors of equal shape side by side, so that views of all of them are a few unbind()s.
+
+        flat: | shape 0: tensors i, j, ... | shape 1: ... |      (in the order each shape first appears)
+    """
+
+    names: tuple[str, ...]
+    targets: tuple[tuple[str, str], ...]  # per tensor, in the call's order: (HF module, "A" or "B")
+    shapes: tuple[torch.Size, ...]
+    blocks: tuple[tuple[torch.Size, int, int], ...]  # per shape: (shape, number of tensors, offset in the flat buffer)
+    order: tuple[int, ...]  # per tensor of the call: its position among the blocks' tensors
+    numel: int
+
+    @staticmethod
+    def build(names: Sequence[str], shapes: Sequence[Sequence[int]]) -> _CallPlan:
+        by_shape: dict[torch.Size, list[int]] = {}
+        for i, shape in enumerate(shapes):
+            by_shape.setdefault(torch.Size(shape), []).append(i)
+        blocks, order, offset, position = [], [0] * len(names), 0, 0
+        for shape, indices in by_shape.items():
+            blocks.append((shape, len(indices), offset))
+            offset += len(indices) * shape.numel()
+            for i in indices:
+                order[i] = position
+                position += 1
+        return _CallPlan(tuple(names), tuple(split_peft_tensor_name(n) for n in names),
+                         tuple(torch.Size(s) for s in shapes), tuple(blocks), tuple(order), offset)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each tensor's view of `flat` (a buffer of numel elements laid out as above), in the call's order."""
+        pieces: list[torch.Tensor] = []
+        for shape, count, offset in self.blocks:
+            pieces.extend(flat.narrow(0, offset, count * shape.numel()).view(count, *shape).unbind(0))
+        return [pieces[position] for position in self.order]
+
+
+@dataclass
+class _StagedCall:
+    plan: _CallPlan
+    flat: torch.Tensor  # [plan.numel] float32 on the slots' device: the call's tensors as received
+    views: list[torch.Tensor]  # plan.views(flat)
+
+
+@dataclass
+class _Staged:
+    """An adapter's tensors staged in one update: its calls in order (a later call's tensor wins)."""
+
+    lora: LoRARequest
+    base: PEFTAdapter  # the adapter when the update's first call for it came (its shapes are every call's)
+    calls: list[_StagedCall] = field(default_factory=list)
+
+
 class LoRAWeightUpdater:
     """The adapter half of one worker's weight updates: stages each adapter's synced tensors until finish."""
 
     def __init__(self, manager: LoRAManager, target: WeightUpdater) -> None:
         self.manager = manager
         self.target = target  # its transfer engine carries the adapter tensors; its state is the update's
-        self._staged: dict[int, tuple[LoRARequest, PEFTAdapter]] = {}  # lora_int_id -> the adapter with this update's tensors
+        self._staged: dict[int, _Staged] = {}  # lora_int_id -> the adapter's tensors of this update
+        self._plans: dict[Hashable, _CallPlan] = {}  # (layout, names, dtypes, shapes) -> the call, checked
+        self._copy_stream = None  # CUDA: the side stream of the host copies made at commit
         # Held for a whole call: two calls staging at once would each add to the same old adapter, and the
         # later one would drop the earlier one's tensors. Uncontended in an engine process (calls arrive in turn).
         # No deadlock with ipc's ring: the trainer fills a call's buffer without waiting for any call in flight.
@@ -102,32 +169,61 @@ class LoRAWeightUpdater:
             raise ValueError(f"update_info.lora_name: the {self.target.backend} backend cannot sync adapters yet "
                              f"({_WHOLE_MODEL_BACKENDS[self.target.backend]}); use nccl, ipc or local")
         info = engine.parse_update_info(update_info)
-        base = self._staged[lora.lora_int_id][1] if lora.lora_int_id in self._staged else self.manager.host_adapter(lora)
+        staged = self._staged.get(lora.lora_int_id)
+        base = staged.base if staged is not None else self.manager.host_adapter(lora)
         try:
-            check_adapter_tensors(base, lora.lora_name, zip(info.names, info.dtypes, info.shapes))
+            plan = self._plan(base, lora.lora_name, info)
         except ValueError as e:
             raise ValueError(f"adapter update rejected, nothing was changed: {e}") from None
-        received, problems = self._receive(engine, info)
-        if not problems:
-            problems = _check_received(base, lora.lora_name, info.names, received)
+        call, problems = self._receive(engine, info, plan, base, lora.lora_name)
         if problems:
             raise ValueError(f"adapter update rejected, nothing was changed: {'; '.join(problems[:_MAX_SHOWN])}")
-        self._staged[lora.lora_int_id] = (lora, base.with_tensors(received))
-        return len(received)
+        if staged is None:
+            staged = self._staged[lora.lora_int_id] = _Staged(lora, base)
+        staged.calls.append(call)
+        return len(plan.names)
 
-    def _receive(self, engine: WeightTransferEngine, info: WeightUpdateInfo) -> tuple[dict[str, torch.Tensor], list[str]]:
-        """The call's tensors as float32 host copies (a backend may reuse its buffers once the next is pulled),
-        the stream read to its end; and what was wrong with what arrived."""
-        received: dict[str, torch.Tensor] = {}
+    def _plan(self, base: PEFTAdapter, lora_name: str, info: WeightUpdateInfo) -> _CallPlan:
+        """The call checked against `base` (ValueError listing every problem) and laid out; kept for its repeats."""
+        key = (base.layout, tuple(info.names), tuple(info.dtypes), tuple(map(tuple, info.shapes)))
+        plan = self._plans.get(key)
+        if plan is None:
+            check_adapter_tensors(base, lora_name, zip(info.names, info.dtypes, info.shapes))
+            if len(self._plans) >= _MAX_PLANS:
+                self._plans.clear()
+            plan = self._plans[key] = _CallPlan.build(info.names, info.shapes)
+        return plan
+
+    def _receive(self, engine: WeightTransferEngine, info: WeightUpdateInfo, plan: _CallPlan, base: PEFTAdapter,
+                 lora_name: str) -> tuple[_StagedCall, list[str]]:
+        """The call's tensors copied into float32 staging on the slots' device (a backend may reuse its buffers
+        once the next is pulled), the stream read to its end; and what was wrong with what arrived."""
+        flat = torch.empty(plan.numel, dtype=torch.float32, device=self.manager.device)
+        views = plan.views(flat)
         problems: list[str] = []
+        received: list[str | None] = []  # the names delivered, in order
         name = None
+        finite = None
         stream = iter(engine.receive_weights(info))
         try:
-            for name, item in stream:
-                if isinstance(item, SparseWeightPatch):
-                    problems.append(f"{name!r}: a sparse patch; adapters are synced as whole tensors")
-                    continue
-                received[name] = item.detach().to("cpu", torch.float32, copy=True)
+            for size in _group_sizes(engine, info):
+                group = list(itertools.islice(stream, size))
+                start = len(received)
+                names, items = [n for n, _ in group], [t for _, t in group]
+                received += names
+                name = received[-1] if received else None
+                if not problems:
+                    problems += _check_group(base, lora_name, plan, start, names, items)
+                if not problems and items:  # one multi-tensor copy (and cast) for the group, queued on the device
+                    torch._foreach_copy_(views[start:len(received)], items)
+                if len(group) < size:
+                    break
+            if not problems:  # queued before the stream ends (ipc synchronizes the device there): read at no wait
+                finite = torch.isfinite(flat).all()
+            for extra, _ in stream:  # runs the backend's stream to its end (it marks the call complete)
+                received.append(extra)
+            if not problems and len(received) != len(plan.names):
+                problems.append(f"the backend delivered {len(received)} tensors for a call of {len(plan.names)}")
         except Exception as e:  # the transport failed: the update is over, the model's part restored
             self.discard()
             restored = self.target.abort_update() and self.target.consistent
@@ -139,18 +235,48 @@ class LoRAWeightUpdater:
         finally:
             if hasattr(stream, "close"):
                 stream.close()
-        if len(received) + len(problems) != len(info.names):
-            problems.append(f"the backend delivered {len(received) + len(problems)} tensors for a call of {len(info.names)}")
-        return received, problems
+        if not problems and not bool(finite):  # the call's one host sync
+            problems += [f"{n!r}: contains NaN or inf" for n, t in zip(plan.names, views)
+                         if t.numel() and not bool(torch.isfinite(t).all())]
+        return _StagedCall(plan, flat, views), problems
 
     def commit(self) -> list[int]:
         """Every staged adapter serves its new tensors (between steps); the lora_int_ids committed."""
         committed = []
-        for lora_id, (lora, adapter) in self._staged.items():
-            self.manager.install(lora, adapter)
+        for lora_id, staged in self._staged.items():
+            synced, sources, hosts, pending = self._host_copies(staged.calls)
+            self.manager.install(staged.lora, staged.base.replaced(synced, hosts, pending), synced, sources)
             committed.append(lora_id)
         self._staged = {}
         return committed
+
+    def _host_copies(self, calls: list[_StagedCall]):
+        """(module, which) per synced tensor, its staged values, its host copy, and the event the host copies
+        pass once complete (None: on CPU, where the staging is the host copy). One copy per call's buffer, on a
+        side stream behind everything queued so far: the next step does not wait for it."""
+        pending = None
+        hosts = [call.views for call in calls]
+        device = calls[0].flat.device
+        if device.type == "cuda":
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(device)
+            side = self._copy_stream
+            side.wait_stream(torch.cuda.current_stream(device))
+            hosts = []
+            with torch.cuda.stream(side):
+                for call in calls:
+                    host = torch.empty(call.flat.shape, dtype=call.flat.dtype, pin_memory=True)
+                    host.copy_(call.flat, non_blocking=True)
+                    call.flat.record_stream(side)  # its memory is not reused before the copy read it
+                    hosts.append(call.plan.views(host))
+            pending = torch.cuda.Event()
+            pending.record(side)
+        if len(calls) == 1:
+            return calls[0].plan.targets, calls[0].views, hosts[0], pending
+        merged: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        for call, host_views in zip(calls, hosts):
+            merged.update(zip(call.plan.targets, zip(call.views, host_views)))
+        return tuple(merged), [v for v, _ in merged.values()], [h for _, h in merged.values()], pending
 
     def discard(self, lora_id: int | None = None) -> bool:
         """Drops the staged tensors (of one adapter when given, e.g. one removed mid-update); True if there were any."""
@@ -161,14 +287,35 @@ class LoRAWeightUpdater:
         return had
 
 
-def _check_received(base: PEFTAdapter, lora_name: str, announced: list[str], received: dict[str, torch.Tensor]) -> list[str]:
-    """What is wrong with the tensors a call delivered: not those announced, a shape the adapter does not have,
-    or a NaN / inf."""
-    if list(received) != announced:
-        return [f"the backend delivered {sorted(received)} for a call announcing {sorted(announced)}"]
+def _group_sizes(engine: WeightTransferEngine, info: WeightUpdateInfo) -> list[int]:
+    """How many tensors of the call arrive together (their views valid at once), group by group: the whole call
+    (views_stable_per_call), the backend's groups (group_sizes), else one at a time."""
+    if engine.views_stable_per_call:
+        return [len(info.names)]
+    if info.group_sizes and sum(info.group_sizes) == len(info.names):
+        return info.group_sizes
+    return [1] * len(info.names)
+
+
+def _check_group(base: PEFTAdapter, lora_name: str, plan: _CallPlan, start: int, names: list[str],
+                 items: list) -> list[str]:
+    """What is wrong with a group of tensors delivered from position `start` of the call: not those announced,
+    a sparse patch, a shape or dtype the adapter does not take."""
+    end = start + len(names)
+    shapes = [getattr(t, "shape", None) for t in items]
+    if (tuple(names) == plan.names[start:end] and shapes == list(plan.shapes[start:end])
+            and all(isinstance(t, torch.Tensor) and t.dtype.is_floating_point for t in items)):
+        return []  # as announced (and checked): the usual case, without a look at each tensor
+    not_tensors = [f"{n!r}: a sparse patch; adapters are synced as whole tensors" if isinstance(t, SparseWeightPatch)
+                   else f"{n!r}: a {type(t).__name__}, not a tensor"
+                   for n, t in zip(names, items) if not isinstance(t, torch.Tensor)]
+    if not_tensors:
+        return not_tensors
+    if tuple(names) != plan.names[start:end]:
+        return [f"the backend delivered {names} at positions {start}..{end - 1} of a call announcing "
+                f"{list(plan.names[start:end])} there"]
     try:
-        check_adapter_tensors(base, lora_name, [(n, t.dtype, t.shape) for n, t in received.items()])
+        check_adapter_tensors(base, lora_name, [(n, t.dtype, t.shape) for n, t in zip(names, items)])
     except ValueError as e:
         return [str(e)]
-    bad = [n for n, t in received.items() if t.numel() and not math.isfinite(float(t.abs().max()))]
-    return [f"{n!r}: contains NaN or inf" for n in bad]
+    return ["the backend delivered tensors other than those the call announced"]
