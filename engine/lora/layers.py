@@ -130,7 +130,7 @@ class LoRALinear:
         return full
 
     def shards(self, slice_index: int, which: str) -> bool:
-        """Whether shard() cuts anything (tensor parallelism), i.e. whether the full tensor is not already this rank's."""
+        """Whether shard() cuts anything (tensor parallelism): the full tensor is not already this rank's."""
         return (which == "A") == self.row_parallel and self.parts[slice_index].dim is not None
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # x [T, in (local)], y [T, out (local)]
