@@ -53,7 +53,7 @@ class LoRAManager:
         self._pinned: set[int] = set()
         self._names: dict[int, str] = {}  # lora_int_id -> lora_name of each host copy (checksums name adapters)
         self._slot_ids: list[int] = [0] * self.max_loras  # adapter id per slot; 0: empty
-        self._slot_layouts: list[object | None] = [None] * self.max_loras  # PEFTAdapter.layout each slot was written with
+        self._slot_layouts: list[object | None] = [None] * self.max_loras  # the PEFTAdapter.layout in each slot
         self._rewrites: dict[tuple, _SlotRewrite] = {}  # (slot, layout, tensors) -> where a sync's tensors land
         self._slot_uses: OrderedDict[int, None] = OrderedDict((slot, None) for slot in range(self.max_loras))
         self.num_disk_loads = 0  # adapters read from disk (a paged-out host copy read again counts again)
