@@ -12,7 +12,9 @@ Programs find their request by binary search over query_start_loc, with the grid
 from the token and request counts alone (request i gets tiles starting at
 query_start_loc[i] // BLOCK_Q + i), so the launch needs no host copy of per-request lengths
 and replays under a CUDA graph. The tile shape is chosen once per shape class: decode-only
-steps (max_query_len == 1) use small tiles, steps with prefill rows large ones.
+steps (max_query_len == 1) use small tiles, steps with prefill rows large ones. Batch-invariant
+mode takes one launch shape for every step, with query tiles at absolute positions
+(paged_attention_invariant, at the end of this file).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ if triton is not None:
         GROUP: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         DOT_PRECISION: tl.constexpr, LONGEST_FIRST: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+        INVARIANT: tl.constexpr = False,
     ):
         wait_inputs(PDL)
         split = tl.program_id(2)
@@ -94,12 +97,14 @@ if triton is not None:
         else:
             tile = tl.program_id(0)
             kv_head = tl.program_id(1)
-            # Request of this tile: the last i with query_start_loc[i] // BLOCK_Q + i <= tile.
+            # Request of this tile: the last i with query_start_loc[i] // BLOCK_Q + TILE_PAD * i <= tile
+            # (TILE_PAD: the tiles a request may need beyond query_len // BLOCK_Q; 2 when aligned below).
+            TILE_PAD: tl.constexpr = 2 if INVARIANT else 1
             lo = 0
             hi = num_reqs
             while lo < hi:
                 mid = (lo + hi) // 2
-                first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+                first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + TILE_PAD * mid
                 if first_tile <= tile:
                     lo = mid + 1
                 else:
@@ -107,15 +112,28 @@ if triton is not None:
             req = lo - 1
             q_start = tl.load(query_start_loc_ptr + req)
             q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-            q_tile = tile - (q_start // BLOCK_Q + req)
-        # Tiles past the request's tokens (the grid is an upper bound) see no keys, store nothing.
-        seq_len = tl.where(q_tile * BLOCK_Q < q_len, tl.load(seq_lens_ptr + req), 0)
-        context_len = seq_len - q_len  # tokens cached before this step's
-
+            q_tile = tile - (q_start // BLOCK_Q + TILE_PAD * req)
         m = tl.arange(0, BLOCK_M)
-        tok = q_tile * BLOCK_Q + m // GROUP  # query token within the request
+        if INVARIANT:
+            # Query tiles at absolute positions: tile j of a request holds positions [j BQ, (j+1) BQ), so
+            # the token at position p always sits in tile row (p % BQ) * GROUP + its head, whatever
+            # the step's first position was (a prefix hit, a chunk boundary, a decode):
+            #   positions   | cached ... c-1 | c ... c+q_len-1 |      c = context_len
+            #   tiles       |  ...  | c // BQ | ... |            q_tile 0 is the one holding c
+            # Rows outside [c, c + q_len) are masked; a request spans at most q_len // BQ + 2 tiles.
+            full_len = tl.load(seq_lens_ptr + req)
+            shift = (full_len - q_len) % BLOCK_Q  # the first new token's row in its tile
+            tok = q_tile * BLOCK_Q - shift + m // GROUP  # query token within the request (< 0: cached)
+            seq_len = tl.where((q_tile * BLOCK_Q - shift < q_len) & (q_len > 0), full_len, 0)
+            context_len = seq_len - q_len
+            row_valid = (m < BLOCK_Q * GROUP) & (tok >= 0) & (tok < q_len)
+        else:
+            # Tiles past the request's tokens (the grid is an upper bound) see no keys, store nothing.
+            seq_len = tl.where(q_tile * BLOCK_Q < q_len, tl.load(seq_lens_ptr + req), 0)
+            context_len = seq_len - q_len  # tokens cached before this step's
+            tok = q_tile * BLOCK_Q + m // GROUP  # query token within the request
+            row_valid = (m < BLOCK_Q * GROUP) & (tok < q_len)
         head = kv_head * GROUP + m % GROUP
-        row_valid = (m < BLOCK_Q * GROUP) & (tok < q_len)
         d = tl.arange(0, BLOCK_D)
         d_mask = d < HEAD_SIZE
         tok64 = (q_start + tok).to(tl.int64)
@@ -126,7 +144,10 @@ if triton is not None:
         q_pos = context_len + tok  # absolute position of each row's token
 
         # Keys this tile can see: up to its last token's position (causal), within the context.
-        kv_end = tl.maximum(tl.minimum(seq_len, context_len + (q_tile + 1) * BLOCK_Q), 0)
+        if INVARIANT:
+            kv_end = tl.maximum(tl.minimum(seq_len, context_len - shift + (q_tile + 1) * BLOCK_Q), 0)
+        else:
+            kv_end = tl.maximum(tl.minimum(seq_len, context_len + (q_tile + 1) * BLOCK_Q), 0)
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite, so fully masked rows stay NaN-free
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -152,6 +173,13 @@ if triton is not None:
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
+            if INVARIANT:
+                # A tile with no key visible to a row must leave that row's state bit for bit as it was
+                # (the tiles a query tile walks past a row's own position depend on the rows beside it):
+                # alpha exactly 1 where the maximum did not move and p exactly 0 off the visible keys,
+                # whatever exp2 rounds 0 and -inf to.
+                alpha = tl.where(m_new == m_i, 1.0, alpha)
+                p = tl.where(visible, p, 0.0)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
@@ -224,7 +252,7 @@ _MAX_SPLITS = 16
 
 
 def _num_splits(max_query_len: int, num_programs: int) -> int:
-    if max_query_len > 1 or num_programs >= _TARGET_PROGRAMS // 2 or batch_invariant.batch_invariant():
+    if max_query_len > 1 or num_programs >= _TARGET_PROGRAMS // 2:
         return 1
     return min(_MAX_SPLITS, next_power_of_2(-(-_TARGET_PROGRAMS // num_programs)))
 
@@ -239,11 +267,8 @@ LONGEST_FIRST = True
 
 
 def _tile_config(max_query_len: int, group: int, head_size: int) -> dict:
-    """Tile shape per shape class: decode-only steps, or steps with prefill rows (batch-invariant mode: one
-    shape for all, so a token's attention does not depend on the rows beside it)."""
-    if batch_invariant.batch_invariant():
-        return dict(BLOCK_M=max(16, next_power_of_2(group)), BLOCK_N=batch_invariant.ATTENTION_BLOCK_N if head_size <= 128
-                    else 32, num_warps=4, num_stages=2)
+    """Tile shape per shape class: decode-only steps, or steps with prefill rows (batch-invariant mode has
+    one shape for all: invariant_tile_config)."""
     if max_query_len <= 1:
         block_m = max(16, next_power_of_2(group))
         cfg = dict(DECODE_CONFIG)
@@ -269,6 +294,8 @@ def paged_attention(
     """
     if not use_triton(query) or query.stride(-1) != 1 or not kv_cache.is_contiguous():
         return paged_attention_ref(query, kv_cache, metadata, scale, k_scale, v_scale)
+    if batch_invariant.batch_invariant():
+        return paged_attention_invariant(query, kv_cache, metadata, scale, k_scale, v_scale)
     fp8 = torch_ref.is_fp8(kv_cache.dtype)
     num_tokens, num_heads, head_size = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -319,4 +346,66 @@ def paged_attention(
             out, part_acc, part_ml, out.stride(0), out.stride(1), num_heads,
             HEAD_SIZE=head_size, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=4, **pdl_args(),
         )
+    return out
+
+
+# ---- batch-invariant mode ------------------------------------------------------------------------
+#
+# One launch shape for every step: the kernel above with one tile shape, no split-KV, programs in
+# grid order (no longest-first variant) and INVARIANT on. A query row at absolute position p then
+# goes through the same arithmetic in every step that holds it, prefill, chunk, decode or verify:
+#
+#     KV tiles  [0, BN) [BN, 2 BN) ... [j BN, (j+1) BN)   j = p // BN, at absolute positions from 0
+#     each tile: s = q . k^T over the head dim, masked to keys <= p, one online-softmax update
+#
+# in that order, whichever of its keys came from the prefix cache, from earlier chunks or from this
+# step, wherever the blocks lie (the block table only addresses), and whatever row of its query tile
+# it landed in. The tiles a query tile walks past p (its later rows see further) are exact no-ops
+# for row p (see INVARIANT in the kernel).
+
+
+def invariant_tile_config(group: int, head_size: int) -> dict:
+    """The one tile shape of batch-invariant mode (changing it changes results, not only speed)."""
+    return dict(BLOCK_M=max(16, next_power_of_2(group)),
+                BLOCK_N=batch_invariant.ATTENTION_BLOCK_N if head_size <= 128 else 32, num_warps=4, num_stages=2)
+
+
+def paged_attention_invariant(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size], last dim contiguous
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size], contiguous
+    metadata: AttentionMetadata,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+    """paged_attention in batch-invariant mode: each row's result depends on its query and its keys alone.
+
+    Launches the Triton kernel without the device check (Triton's interpreter runs it on CPU tensors
+    in the tests); paged_attention calls it for CUDA tensors when the mode is on.
+    """
+    fp8 = torch_ref.is_fp8(kv_cache.dtype)
+    num_tokens, num_heads, head_size = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    num_reqs = metadata.query_start_loc.shape[0] - 1
+    out = torch.zeros_like(query) if num_tokens > metadata.num_actual_tokens else torch.empty_like(query)
+    if num_reqs == 0 or num_tokens == 0:
+        return out
+    cfg = invariant_tile_config(group, head_size)
+    block_q = cfg["BLOCK_M"] // group
+    grid = (num_tokens // block_q + 2 * num_reqs, num_kv_heads, 1)  # an upper bound on tiles (TILE_PAD = 2)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _paged_attention_kernel[grid](
+        out, out, out,
+        query, k_cache, v_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, metadata.seq_lens,
+        scale * 1.4426950408889634 * (k_scale if fp8 else 1.0), v_scale, num_reqs, num_heads,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_table.stride(0),
+        GROUP=group, KV_BLOCK_SIZE=block_size, HEAD_SIZE=head_size, BLOCK_D=next_power_of_2(max(head_size, 16)),
+        BLOCK_Q=block_q, NUM_SPLITS=1,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+        LONGEST_FIRST=False, FP8=fp8, INVARIANT=True,
+        **pdl_args(),
+        **cfg,
+    )
     return out

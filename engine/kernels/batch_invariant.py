@@ -1,8 +1,12 @@
 """Batch-invariant numerics (opt-in): a token's logits do not depend on what else is in its step.
 
-Off by default. With it on (ModelConfig.batch_invariant), every linear layer on the GPU runs one
-Triton GEMM with one fixed tile shape for any number of rows, and attention uses one tile shape
-and no split-KV for decode, verify and prefill rows alike. Each output element then goes through
+Off by default. With it on (ModelConfig.batch_invariant), every linear layer on the GPU (the LM head
+too) runs one Triton GEMM with one fixed tile shape for any number of rows, and attention uses one
+tile shape and no split-KV for decode, verify and prefill rows alike, reducing over KV in tiles at
+absolute positions from 0 with query tiles at absolute positions too
+(engine.kernels.attention.paged_attention_invariant). So a row is also the same whether its prefix
+came from the prefix cache, from earlier chunks or from the same step, after a preemption's
+recompute, and wherever its KV blocks lie. Each output element then goes through
 the same reduction, in the same order, whatever the batch: a request's tokens are the same alone
 or in a batch of 256, and with or without speculative decoding (whose verify steps otherwise run
 other GEMM shapes than decode steps, so a bf16 near-tie can flip). The price is speed: cuBLAS's
