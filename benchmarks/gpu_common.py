@@ -264,6 +264,30 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def device_busy(fn) -> dict:
+    """fn() under torch.profiler (CUDA activity only): wall seconds, and the seconds the device was running
+    anything (the union of its kernels' and copies' intervals, so kernels overlapping under programmatic
+    dependent launch count once). The profiler slows the host a little, so busy_share is a lower bound."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy_us, end = 0.0, float("-inf")
+    for lo, hi in spans:
+        if hi > end:
+            busy_us += hi - max(lo, end)
+            end = hi
+    first_to_last = (spans[-1][1] - spans[0][0]) / 1e6 if spans else 0.0
+    return {"wall_s": wall, "busy_s": busy_us / 1e6, "busy_share": busy_us / 1e6 / wall if wall else 0.0,
+            "device_span_s": first_to_last, "num_device_events": len(spans)}
+
+
 def median(xs):
     xs = sorted(xs)
     return xs[len(xs) // 2] if xs else float("nan")

@@ -3,6 +3,15 @@
 GPU (or CPU with small sizes). The n samples of a prompt share its blocks: every sample but
 the first can reuse floor((prompt_len - 1) / block_size) full blocks (the last prompt token
 is always computed). Hit rate = prefix-cache hit tokens / those shareable tokens.
+
+Issue 30's short-answer step shape (64 prompts x 16 samples, 512-token prompts, 32 new tokens):
+
+    python benchmarks/grpo_rollout.py --max-tokens 32 --repeats 3 --floor --busy
+
+--repeats times the rollout that many times (prefix cache reset before each; median reported);
+--floor adds the schedule's floor (gpu_common.StepFloor over the steps of the last timed rollout);
+--busy runs one more rollout under the profiler for the share of its wall time the GPU was busy
+(the host's share is the rest: scheduling, input preparation, sampling bookkeeping, output handling).
 """
 
 from __future__ import annotations
@@ -29,26 +38,47 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=1, help="timed rollouts (median reported)")
+    p.add_argument("--floor", action="store_true", help="GPU: the floor of the schedule the engine ran (StepFloor)")
+    p.add_argument("--busy", action="store_true", help="GPU: one more rollout under the profiler, GPU busy share")
     p.add_argument("--json-out", default="benchmarks/out/grpo_rollout.json")
     args = p.parse_args()
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    if (args.floor or args.busy) and not torch.cuda.is_available():
+        p.error("--floor and --busy measure the GPU: they need CUDA")
 
     from engine import LLM, SamplingParams
 
     path = shape_checkpoint(args.shape)
+    rates = None
+    if args.floor:  # measured before the engine takes the device's memory
+        from gpu_common import copy_bandwidth_bytes_per_s, matmul_flops_per_s
+
+        rates = copy_bandwidth_bytes_per_s(), matmul_flops_per_s()
     llm = LLM(path, max_num_seqs=args.max_num_seqs, max_model_len=args.prompt_len + args.max_tokens)
     vocab = llm.engine_core.executor.worker.hf_config.vocab_size
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(args.prompt_len)]}
                for _ in range(args.num_prompts)]
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, n=2), use_tqdm=False)  # warm-up
-    llm.reset_prefix_cache()
     kv = llm.engine_core.scheduler.kv_cache_manager
-    hits0 = kv.total_prefix_cache_hits
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, n=args.n, ignore_eos=True)
-    torch.cuda.synchronize() if torch.cuda.is_available() else None
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    times = []
+    floor = None
+    for i in range(args.repeats):
+        llm.reset_prefix_cache()  # every rollout computes its prompts once, as a new GRPO step's would
+        if rates is not None and i == args.repeats - 1:
+            from gpu_common import StepFloor
+
+            floor = StepFloor(llm, *rates)  # the last timed rollout's steps
+        hits0 = kv.total_prefix_cache_hits
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        times.append(time.perf_counter() - start)
+    elapsed = sorted(times)[len(times) // 2]
     num_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     block_size = llm.config.cache.block_size
     shareable = args.num_prompts * (args.n - 1) * ((args.prompt_len - 1) // block_size) * block_size
@@ -59,11 +89,26 @@ def main() -> None:
                   gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                   elapsed_s=elapsed, output_tokens=num_out, output_tok_per_s=num_out / elapsed,
                   prefix_hit_tokens=hits, shareable_prompt_tokens=shareable, hit_rate_of_shareable=hits / shareable,
-                  num_preemptions=getattr(stats, "num_preemptions", None), num_kv_blocks=llm.engine_core.num_blocks)
+                  num_preemptions=getattr(stats, "num_preemptions", None), num_kv_blocks=llm.engine_core.num_blocks,
+                  elapsed_all_s=times)
+    if floor is not None:
+        result["floor"] = floor.summary(num_out, times[-1])
     print(f"\nGRPO rollout: {args.num_prompts} prompts x n={args.n}, prompt {args.prompt_len}, "
           f"max_tokens {args.max_tokens}, {args.shape}")
     print(f"{'output tokens':>14}{'time (s)':>10}{'tok/s':>10}{'hit tokens':>12}{'shareable':>11}{'hit rate':>10}")
-    print(f"{num_out:>14}{elapsed:>10.2f}{num_out / elapsed:>10.0f}{hits:>12}{shareable:>11}{hits / shareable:>10.1%}")
+    print(f"{num_out:>14}{elapsed:>10.3f}{num_out / elapsed:>10.0f}{hits:>12}{shareable:>11}{hits / shareable:>10.1%}")
+    if floor is not None:
+        f = result["floor"]
+        print(f"floor: {1e3 * f['floor_s']:.1f} ms over {f['num_steps']} steps (bytes {1e3 * f['bytes_s']:.1f} ms, "
+              f"FLOPs {1e3 * f['flops_s']:.1f} ms): the rollout at {f['fraction_of_floor']:.2f} of its floor")
+    write_json(args.json_out, result)
+    if args.busy:
+        from gpu_common import device_busy
+
+        llm.reset_prefix_cache()
+        result["busy"] = b = device_busy(lambda: llm.generate(prompts, params, use_tqdm=False))
+        print(f"under the profiler: wall {1e3 * b['wall_s']:.1f} ms, GPU busy {1e3 * b['busy_s']:.1f} ms "
+              f"({b['busy_share']:.0%}; the host's share the rest)")
     write_json(args.json_out, result)
 
 

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU tier and the GPU benchmarks in one device call; logs and JSON go to $OUT (default benchmarks/out).
-# Usage: benchmarks/run_gpu.sh [tests] [a] [b] [c] [d] [w] [s] [p] [g] [t] [al] [sd] [lora] [x2]   (no argument: all but s, p, g, t, al, sd, lora and x2)
+# Usage: benchmarks/run_gpu.sh [tests] [a] [b] [c] [d] [w] [s] [p] [g] [t] [al] [sd] [lora] [rl] [x2]   (no argument: all but s, p, g, t, al, sd, lora, rl and x2)
 # g: small-M linear kernel configs against cuBLAS.
 # t: decode attention tile configs, split-KV and program order, at one context length and at mixed lengths.
 # al: (a) without HF, decode attention programs longest context first.
 # sd: speculative decoding speed-up at batch 1 and 16 (n-gram, draft model) with acceptance rates.
 # lora (issue 26): 0.6B offline throughput with 4 rank-16 adapters mixed against the base model's, and ipc adapter
 #   sync (rank 16, all projections, bf16) beside the full sync for 0.6B and 7B. About 3 minutes.
+# rl (issue 30): the short-answer GRPO rollout (64 prompts x 16, 512-token prompts, 32 new tokens), 0.6B: time
+#   against the schedule's floor and the GPU's busy share under the profiler.
 # p: where the offline run's time goes (per-step host/GPU split, top kernels).
 # x2 (two GPUs): the two-GPU tests, nccl/sharded_rdt/sparse weight sync GPU 0 -> GPU 1, TP=2 and DP=2 throughput.
 set -uo pipefail
@@ -55,6 +57,8 @@ for part in $parts; do
             --temperature 0.6 --skip-hf --num-loras 4 --lora-rank 16 --json-out "$OUT/h200-offline-throughput-lora.json"
           run weight_sync_lora $py benchmarks/weight_sync.py --device cuda --backends ipc --buffer-mib 1024 --syncs 3 \
             --models qwen3-0.6b qwen2.5-7b --lora-rank 16 --lora-syncs 20 --json-out "$OUT/h200-weight-sync-lora.json" ;;
+    rl) run grpo_short_answers $py benchmarks/grpo_rollout.py --shape qwen3-0.6b --num-prompts 64 --n 16 --prompt-len 512 \
+            --max-tokens 32 --repeats 3 --floor --busy --json-out "$OUT/h200-grpo-short-answers.json" ;;
     *) echo "unknown part $part" ;;
   esac
 done
