@@ -74,6 +74,8 @@ def start_worker(model: ModelConfig, rollout: RolloutConfig, lora: LoRAConfig | 
         "seed": rollout.seed,
         "logprobs_mode": "processed_logprobs",  # after temperature, as the trainer recomputes them
     }
+    if rollout.batch_invariant:
+        worker_args["batch_invariant"] = True  # the logprobs trainers/invariant_forward.py reproduces
     if rollout.colocate:
         worker_args["enable_sleep_mode"] = True  # it sleeps every step: its pinned host copy is made once, at start-up
     if rollout.gpu_memory_utilization is not None:

@@ -45,11 +45,15 @@ class ModelConfig:
     """Where the trainer computes: cpu (gloo process group) or cuda (NCCL, one GPU per rank)."""
     param_dtype: ParamDtype = "float32"
     """Compute dtype of the FSDP2 forward/backward (master weights and gradient reduction stay float32); bfloat16 on GPU."""
+    invariant_forward: bool | None = None
+    """Score responses with the batch-invariant engine's own kernels in its reduction order (trainers/invariant_forward.py): on CUDA the trainer's logprobs equal the engine's bit for bit; gradients come from the HF forward (straight-through). Llama/Qwen2/Qwen3 without LoRA; none: on when rollout.batch_invariant (and no LoRA)."""
 
     def __post_init__(self) -> None:
         self.path = resolve_checkpoint(self.path, field="model.path")  # trainer and rollout engine read one snapshot
         check_choice("model.device", self.device, Device)
         check_choice("model.param_dtype", self.param_dtype, ParamDtype)
+        if self.invariant_forward is not None and not isinstance(self.invariant_forward, bool):
+            raise ValueError(f"model.invariant_forward: true, false or none, got {self.invariant_forward!r}")
 
 
 @dataclass
@@ -91,6 +95,8 @@ class RolloutConfig:
     """engine=http: base URL of the server, started with `rollout launch --enable-rl-routes --logprobs-mode processed_logprobs`."""
     weight_sync: WeightSync = "auto"
     """Weight-sync backend: auto (ipc when colocate, local for inprocess, nccl for http, sharded_rdt for ray), local, ipc, nccl or sharded_rdt."""
+    batch_invariant: bool = False
+    """Run the engine batch-invariant (engine ModelConfig.batch_invariant; with engine=http, say that the server was launched with --batch-invariant): a token's logprob then does not depend on its batch, prefix-cache hits or chunking, and model.invariant_forward defaults to on."""
 
     def __post_init__(self) -> None:
         check_range("rollout.num_prompts_per_step", self.num_prompts_per_step, 1)
@@ -333,6 +339,10 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_range("num_steps", self.num_steps, 0)
+        if self.model.invariant_forward is None:  # the engine's numbers, when the engine makes them reproducible
+            self.model.invariant_forward = self.rollout.batch_invariant and not self.lora.enabled
+        elif self.model.invariant_forward and self.lora.enabled:
+            raise ValueError("model.invariant_forward: not supported with a LoRA adapter (lora.rank > 0)")
         if self.lora.enabled and self.rollout.weight_sync_backend == "sharded_rdt":
             raise ValueError("rollout.weight_sync: an adapter (lora.rank > 0) syncs through local, ipc or nccl, "
                              f"not sharded_rdt (engine={self.rollout.engine!r}); set rollout.weight_sync = \"nccl\"")

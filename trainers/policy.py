@@ -181,6 +181,19 @@ class Policy:
         self.model = load_sharded_model(model_config, lora=self.lora)
         self.has_reference = reference  # with LoRA: the adapter-off forward, not self.reference
         self.reference = load_sharded_model(model_config, trainable=False) if reference and self.lora is None else None
+        # The engine's forward for the logprobs (model.invariant_forward); the HF forward keeps the gradients.
+        self.invariant = self.invariant_reference = None
+        if model_config.invariant_forward:
+            if self.lora is not None:
+                raise ValueError("model.invariant_forward: not supported with a LoRA adapter (lora.rank > 0)")
+            from engine.models.loader import load_hf_config
+            from trainers.invariant_forward import InvariantForward
+
+            hf_config = load_hf_config(model_config.path)  # as the engine reads it
+            dtype = torch.bfloat16 if model_config.param_dtype == "bfloat16" else torch.float32  # the engine's
+            self.invariant = InvariantForward(self.model, hf_config, dtype, self.device)
+            if self.reference is not None:
+                self.invariant_reference = InvariantForward(self.reference, hf_config, dtype, self.device)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=optim_config.lr,
@@ -228,10 +241,26 @@ class Policy:
                 f"{list(prompt_lens.shape)}, {list(response_ids.shape)}"
             )
         device = self.device
+        invariant = self.invariant_reference if use_reference else self.invariant
+        if invariant is not None:
+            # The engine's numbers (trainers/invariant_forward.py); with autograd on, the HF forward's gradient
+            # rides on them (straight-through: the values stay exactly the invariant forward's).
+            values, entropy_values = invariant.response_logprobs(input_ids, prompt_lens, response_ids, temperature,
+                                                                 with_entropy)
+            if use_reference or not torch.is_grad_enabled():
+                return values, entropy_values
         with torch.no_grad() if use_reference else nullcontext(), adapter_off:
             logits = model(input_ids=input_ids.to(device), use_cache=False).logits  # [B, L, V]
             rows = gather_response_rows(logits, prompt_lens.to(device), response_ids.shape[1])  # [B, R, V]
-            return token_logprobs_and_entropy(rows, response_ids.to(device), temperature, with_entropy, entropy_grad)
+            logprobs, entropy = token_logprobs_and_entropy(rows, response_ids.to(device), temperature, with_entropy,
+                                                           entropy_grad)
+        if invariant is None:
+            return logprobs, entropy
+        from trainers.invariant_forward import straight_through
+
+        if entropy is not None:
+            entropy = straight_through(entropy, entropy_values) if entropy.requires_grad else entropy_values
+        return straight_through(logprobs, values), entropy
 
     def optimizer_step(self) -> dict[str, float]:
         """Clips the gradient norm, steps AdamW and clears gradients; a non-finite norm skips the step."""
