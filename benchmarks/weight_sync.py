@@ -269,7 +269,7 @@ def bench_one(backend: str, model: str, args) -> list[dict]:
             warm = trainer.send_weights(weight_version="warmup")
         warm_s = time.perf_counter() - start
         fraction = args.sparse_fraction if backend == "sparse_nccl" else 1.0
-        times, sent = [], []
+        times, sent, phases = [], [], []
         for i in range(args.syncs):
             perturb(state, fraction, seed=i + 1)
             if args.device == "cuda":
@@ -279,6 +279,7 @@ def bench_one(backend: str, model: str, args) -> list[dict]:
                 stats = trainer.send_weights(weight_version=f"v{i}")
             times.append(time.perf_counter() - start)
             sent.append(stats.bytes_sent)
+            phases.append(stats.extra.get("phases_s", {}))
             assert engine.client.get_weight_version() == f"v{i}", "the engine serves the new version"
         engine.generate_one()  # and generates with it
         median = statistics.median(times)
@@ -288,7 +289,7 @@ def bench_one(backend: str, model: str, args) -> list[dict]:
             "dense_bytes": dense_bytes, "warmup_s": warm_s, "warmup_bytes_sent": warm.bytes_sent,
             "sync_s": times, "median_s": median, "gb_per_s": dense_bytes / median / 1e9,
             "bytes_sent_median": statistics.median(sent), "checksums_match": None,
-            "enable_lora": bool(lora_rank), "load_before": before, "load_after": load(),
+            "phases_median_s": _phase_medians(phases), "enable_lora": bool(lora_rank), "load_before": before, "load_after": load(),
         }
         rows = [full]
         baseline = hf_state_checksums(state)
@@ -310,6 +311,11 @@ def bench_one(backend: str, model: str, args) -> list[dict]:
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
+
+
+def _phase_medians(phases: list[dict[str, float]]) -> dict[str, float]:
+    """start_weight_update / the backend's send / finish_weight_update (SyncStats.extra["phases_s"]): median seconds."""
+    return {k: statistics.median(p[k] for p in phases) for k in (phases[0] if phases else {})}
 
 
 def bench_lora(engine: Engine, trainer, path: str, args, full: dict) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -338,7 +344,7 @@ def bench_lora(engine: Engine, trainer, path: str, args, full: dict) -> tuple[di
     with stuck_dump(args.stuck_dump_s, f"{what} warm-up sync"):
         warm = trainer.send_weights(source, weight_version="lora-warmup")
     warm_s = time.perf_counter() - start
-    times, sent = [], []
+    times, sent, phases = [], [], []
     for i in range(args.lora_syncs):
         perturb(adapter, 1.0, seed=100 + i)
         if args.device == "cuda":
@@ -348,6 +354,7 @@ def bench_lora(engine: Engine, trainer, path: str, args, full: dict) -> tuple[di
             stats = trainer.send_weights(source, weight_version=f"lora-v{i}")
         times.append(time.perf_counter() - start)
         sent.append(stats.bytes_sent)
+        phases.append(stats.extra.get("phases_s", {}))
         # The adapter serves its new version; the base model's stays the last full sync's.
         assert engine.client.get_weight_version(lora_name=LORA_NAME) == f"lora-v{i}"
     assert engine.client.get_weight_version() == f"v{args.syncs - 1}"
@@ -361,6 +368,8 @@ def bench_lora(engine: Engine, trainer, path: str, args, full: dict) -> tuple[di
         "dense_bytes": dense_bytes, "warmup_s": warm_s, "warmup_bytes_sent": warm.bytes_sent,
         "sync_s": times, "median_s": median, "median_ms": 1e3 * median, "gb_per_s": dense_bytes / median / 1e9,
         "bytes_sent_median": statistics.median(sent), "checksums_match": None,
+        # start_weight_update / the backend's send / finish_weight_update, median seconds each
+        "phases_median_s": _phase_medians(phases),
         "full_sync_median_s": full["median_s"], "full_sync_dense_bytes": full["dense_bytes"],
         "time_vs_full_sync": median / full["median_s"], "bytes_vs_full_sync": dense_bytes / full["dense_bytes"],
         "load_before": before, "load_after": load(),
