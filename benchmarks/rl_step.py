@@ -11,8 +11,14 @@ the committed tiny Llama, float32. Three parts, all in one process and one run:
 3. a GRPOTrainer of the demo's config: --steps steps, the median of each phase (generate, reward,
    train, sync) over all but the first.
 
-TRL's GRPOTrainer is not run here: the main venv does not carry `trl`, and the JSON says so. Both
-generate sides run at the same torch thread count (--threads; default: what the process has
+4. when `trl` is importable (an optional extra: `pip install trl`, or PYTHONPATH to a --no-deps copy),
+   TRL's GRPOTrainer on the same task in the same run: the same model, the demo's problems and reward,
+   32 prompts x 8 generations per step (batch 256), max_completion_length 6, T=1 (top_k 0, top_p 1), the
+   demo's lr / weight decay / grad clip, constant LR, float32 (bf16 and gradient checkpointing off),
+   loss_type "grpo", scale_rewards "group", beta 0; its step time (median over all but the first
+   step) and its generation time inside the step. Without trl the JSON says it was skipped.
+
+Both generate sides run at the same torch thread count (--threads; default: what the process has
 after the engine started, which on CPU is the engine's own thread plan). Table on stdout,
 --json-out with `uptime` before and after.
 """
@@ -67,6 +73,69 @@ def hf_generate_fn(path: str, prompts: list[str], n: int, max_tokens: int, tempe
                                   max_new_tokens=max_tokens, pad_token_id=pad)
 
     return run
+
+
+def trl_grpo_steps(path: str, config: Any, task: Any, num_steps: int, threads: int) -> dict[str, Any]:
+    """TRL's GRPOTrainer on the demo's task and hyperparameters; medians of its step and generation times."""
+    import tempfile
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    ro, optim = config.rollout, config.optim
+    if torch.distributed.is_initialized():  # our trainer's single-rank group: TRL would take it for a DDP launch
+        torch.distributed.destroy_process_group()
+    problems = task.make_problems(config.task.num_train_problems, config.seed, "train")
+    answers = {pr.prompt: pr for pr in problems}
+    dataset = Dataset.from_dict({"prompt": [pr.prompt for pr in problems]})
+
+    def reward(prompts, completions, **_):
+        return task.batched_reward(list(completions), [answers[p] for p in prompts])
+
+    tok = AutoTokenizer.from_pretrained(path, padding_side="left")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    batch = ro.num_prompts_per_step * ro.num_samples_per_prompt
+    out_dir = tempfile.mkdtemp(prefix="rl_step_trl_")
+    args = GRPOConfig(
+        output_dir=out_dir, max_steps=num_steps, per_device_train_batch_size=batch, num_generations=ro.num_samples_per_prompt,
+        generation_batch_size=batch, num_iterations=1, max_completion_length=ro.max_tokens,
+        temperature=ro.temperature, top_k=0, top_p=1.0, learning_rate=optim.lr, weight_decay=optim.weight_decay,
+        adam_beta1=optim.beta1, adam_beta2=optim.beta2, adam_epsilon=optim.eps, max_grad_norm=optim.max_grad_norm,
+        lr_scheduler_type="constant", warmup_steps=0, bf16=False, fp16=False, gradient_checkpointing=False,
+        loss_type="grpo", scale_rewards="group", beta=0.0, use_vllm=False, use_cpu=True, report_to=[],
+        logging_steps=1, save_strategy="no", disable_tqdm=True, seed=config.seed, dataloader_num_workers=0, log_completions=False,
+    )
+    steps: list[float] = []
+    gen: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            steps.append(time.perf_counter() - self.start)
+
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tok,
+                          callbacks=[Timer()])
+    unwrapped_generate = trainer.model.generate
+
+    def timed_generate(*a, **k):  # the step's generation, as its HF generate() call takes it
+        start = time.perf_counter()
+        out = unwrapped_generate(*a, **k)
+        gen.append(time.perf_counter() - start)
+        return out
+
+    trainer.model.generate = timed_generate
+    torch.set_num_threads(threads)
+    trainer.train()
+    torch.set_num_threads(threads)
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    return dict(trl_version=__import__("trl").__version__, steps=num_steps, torch_threads=threads,
+                step_ms=median_ms(steps[1:]), generate_ms=median_ms(gen[1:]) if len(gen) > 1 else None,
+                step_all_ms=[1000 * t for t in steps], generate_calls=len(gen), mean_reward_per_step=rewards)
 
 
 def main() -> None:
@@ -164,10 +233,21 @@ def main() -> None:
 
     try:
         import trl  # noqa: F401
-        result["trl"] = "importable but not run by this script"
     except ImportError:
         result["trl"] = "skipped: trl is not installed"
-    print(f"\nTRL: {result['trl']}")
+        print(f"\nTRL: {result['trl']}")
+    else:
+        if args.skip_steps:
+            result["trl"] = "skipped: --skip-steps"
+        else:
+            result["trl"] = trl_grpo_steps(path, config, task, args.steps, threads)
+            t = result["trl"]
+            print(f"\n{'TRL GRPOTrainer ' + t['trl_version'] + ' (ms, median)':<34}{'ms':>10}")
+            print(f"{'generate (HF generate in its step)':<34}{(t['generate_ms'] or float('nan')):>10.1f}")
+            print(f"{'step':<34}{t['step_ms']:>10.1f}")
+            if "step" in result:
+                result["step"]["ours_vs_trl"] = result["step"]["total_ms"] / t["step_ms"]
+                print(f"{'ours step / TRL step':<34}{result['step']['ours_vs_trl']:>10.2f}")
     result["note"] = args.note
     result["uptime_before"], result["uptime_after"] = load_before, uptime()
     print(f"load: before [{load_before}] after [{result['uptime_after']}]")
