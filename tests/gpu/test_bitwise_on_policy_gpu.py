@@ -327,3 +327,36 @@ def test_trainer_forward_reproduces_the_engine_logprobs_exactly(nccl_group, tiny
     assert _masked_max(logprobs.detach(), rollouts.rollout_logprobs, mask) == 0.0
     (-(logprobs * mask.to(logprobs.device)).sum()).backward()
     assert policy.optimizer_step()["grad_norm"] > 0
+
+
+def _vowel_fraction(completion: str, item) -> float:
+    return sum(ch in "aeiou" for ch in completion) / max(len(completion), 1)
+
+
+@pytest.mark.parametrize("arch", ["qwen3"])
+def test_grpo_with_the_invariant_mode_has_zero_mismatch_at_every_step(nccl_group, tiny_checkpoint, tmp_path, arch):
+    """The issue's GRPO check: engine batch-invariant, trainer's engine-kernel forward on (its default then), weights
+    synced every step; every step's samples are scored by the trainer exactly as the engine scored them."""
+    from trainers.common import single_reward
+    from trainers.config import AlgorithmConfig, LoggingConfig, ModelConfig, OptimConfig, RolloutConfig, TrainerConfig
+    from trainers.grpo import GRPOTrainer
+
+    config = TrainerConfig(
+        model=ModelConfig(path=tiny_checkpoint(arch), device="cuda", param_dtype="bfloat16"),
+        rollout=RolloutConfig(num_prompts_per_step=4, num_samples_per_prompt=4, max_tokens=16, max_model_len=256,
+                              batch_invariant=True, gpu_memory_utilization=0.3),
+        algorithm=AlgorithmConfig(mismatch="tis"),
+        optim=OptimConfig(lr=1e-3),
+        logging=LoggingConfig(output_dir=str(tmp_path / "run"), save_final=False),
+        num_steps=3,
+    )
+    assert config.model.invariant_forward  # on by default with the engine batch-invariant
+    prompts = ["The quick brown fox", "Once upon a time", "12+35=", "Numbers appear too:"]
+    with GRPOTrainer(config, single_reward(_vowel_fraction), log=lambda m, s: None) as trainer:
+        history = trainer.train(prompts)
+    assert len(history) == 3
+    for step, metrics in enumerate(history, start=1):
+        assert metrics["mismatch/kl"] == 0.0, (step, metrics["mismatch/kl"])
+        assert metrics["mismatch/abs"] == 0.0, (step, metrics["mismatch/abs"])
+        assert metrics["is_weight_mean"] == 1.0, (step, metrics["is_weight_mean"])
+        assert metrics["grad_norm"] > 0, step
