@@ -81,7 +81,7 @@ if triton is not None:
         GROUP: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         DOT_PRECISION: tl.constexpr, LONGEST_FIRST: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
-        INVARIANT: tl.constexpr = False,
+        INVARIANT: tl.constexpr, TILE_PAD: tl.constexpr,
     ):
         wait_inputs(PDL)
         split = tl.program_id(2)
@@ -98,8 +98,7 @@ if triton is not None:
             tile = tl.program_id(0)
             kv_head = tl.program_id(1)
             # Request of this tile: the last i with query_start_loc[i] // BLOCK_Q + TILE_PAD * i <= tile
-            # (TILE_PAD: the tiles a request may need beyond query_len // BLOCK_Q; 2 when aligned below).
-            TILE_PAD: tl.constexpr = 2 if INVARIANT else 1
+            # (TILE_PAD: the tiles a request may need beyond query_len // BLOCK_Q; 2 when aligned, INVARIANT).
             lo = 0
             hi = num_reqs
             while lo < hi:
@@ -337,7 +336,7 @@ def paged_attention(
         # made a TP=2 float32 run differ from one GPU by ~1e-3 in the logits. None: Triton's default (bf16/fp16).
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         LONGEST_FIRST=longest_first,
-        FP8=fp8,
+        FP8=fp8, INVARIANT=False, TILE_PAD=1,
         **pdl_args(),
         **cfg,
     )
@@ -404,7 +403,7 @@ def paged_attention_invariant(
         GROUP=group, KV_BLOCK_SIZE=block_size, HEAD_SIZE=head_size, BLOCK_D=next_power_of_2(max(head_size, 16)),
         BLOCK_Q=block_q, NUM_SPLITS=1,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
-        LONGEST_FIRST=False, FP8=fp8, INVARIANT=True,
+        LONGEST_FIRST=False, FP8=fp8, INVARIANT=True, TILE_PAD=2,
         **pdl_args(),
         **cfg,
     )

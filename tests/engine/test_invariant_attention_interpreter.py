@@ -135,6 +135,26 @@ cache[0, :10].view(-1, KV_HEADS, D)[:SEQ] = k_all
 cache[1, :10].view(-1, KV_HEADS, D)[:SEQ] = v_all
 padded = paged_attention_invariant(torch.cat([q_all[-1:], q_all[:3]]), cache, md, SCALE)
 assert torch.equal(padded[0], full[-1]) and not padded[1:].any()
+
+# The default (fast) path still matches the reference: a mixed step, and a decode-only step (longest-first
+# programs, split-KV) - run through paged_attention as on the GPU.
+import engine.kernels.attention as attention
+attention.use_triton = lambda t: True
+for reqs in (mates[:3] + [ours(100, 104)], [other(90, 5) + (89, 90), other(150, 6) + (149, 150), ours(120, 121)]):
+    perm = list(range(NUM_BLOCKS))
+    cache = torch.zeros(2, NUM_BLOCKS, BS, KV_HEADS, D, dtype=DTYPE)
+    tables, qs, qlens, slens = [], [], [], []
+    for q, k, v, start, seq_len in reqs:
+        n = -(-seq_len // BS)
+        row, perm = perm[:n], perm[n:]
+        for pos in range(seq_len):
+            cache[0, row[pos // BS], pos % BS] = k[pos]
+            cache[1, row[pos // BS], pos % BS] = v[pos]
+        tables.append(row); qs.append(q[start:seq_len]); qlens.append(seq_len - start); slens.append(seq_len)
+    md = AttentionMetadata.build(qlens, slens, tables, BS)
+    query = torch.cat(qs)
+    torch.testing.assert_close(attention.paged_attention(query, cache, md, SCALE).float(),
+                               torch_ref.paged_attention(query.float(), cache.float(), md, SCALE), **tol)
 print("ok", checked)
 """
 
