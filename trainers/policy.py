@@ -229,6 +229,8 @@ class Policy:
         input_ids [B, L] is prompt + response, right-padded; prompt_lens [B]; response_ids [B, R].
         Right padding needs no attention mask: causal attention never lets a real token see
         the padding after it. Gradients flow unless called under torch.no_grad() or use_reference.
+        With model.invariant_forward the values are the batch-invariant engine's (trainers/invariant_forward.py;
+        bit for bit on CUDA) and the gradient is the HF forward's (straight-through).
         """
         if use_reference and not self.has_reference:
             raise ValueError("use_reference: this Policy was built without reference=True")

@@ -10,7 +10,8 @@ recompute, and wherever its KV blocks lie. Each output element then goes through
 the same reduction, in the same order, whatever the batch: a request's tokens are the same alone
 or in a batch of 256, and with or without speculative decoding (whose verify steps otherwise run
 other GEMM shapes than decode steps, so a bf16 near-tie can flip). The price is speed: cuBLAS's
-and the small-M kernel's shape-tuned choices are given up.
+and the small-M kernel's shape-tuned choices are given up. trainers/invariant_forward.py runs the
+same kernels over the trainer's parameters, so the trainer's logprobs equal the engine's bit for bit.
 
     x [M, K] . W [N, K]^T:  program (pid_m, pid_n) owns a [BLOCK_M, BLOCK_N] tile of out and
     accumulates over K in BLOCK_K steps, in order, in float32; no split-K.
