@@ -118,8 +118,8 @@ def trainer_vs_engine(path: str, mode: str, args) -> dict:
 
     rng = random.Random(args.seed + 1)
     vocab = vocab_size_of(path)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.randint(max(1, args.prompt_len // 3), args.prompt_len))]}
-               for _ in range(args.num_prompts)]
+    lengths = [rng.randint(max(1, args.prompt_len // 3), args.prompt_len) for _ in range(args.num_prompts)]
+    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]} for n in lengths]
     llm = make_llm(path, mode, args)
     start = time.perf_counter()
     rollouts = generate_rollouts(llm, prompts, n=args.n, temperature=args.temperature, max_tokens=args.max_tokens,

@@ -102,7 +102,8 @@ def test_invariant_attention_row_is_the_same_however_its_keys_arrived(q_heads, k
                 torch.randn(n, kv_heads, d, device=DEV, generator=g).to(dtype), start, n)
 
     mates = [other(300, 0), other(90, 89), other(260, 250), other(40, 5)] + [other(50 + i, 49 + i) for i in range(60)]
-    for index, (a, b) in enumerate(((0, seq), (300, seq), (699, seq), (400, 404))):  # in mixed steps of up to 65 requests
+    # In mixed steps of up to 65 requests.
+    for index, (a, b) in enumerate(((0, seq), (300, seq), (699, seq), (400, 404))):
         reqs = mates[: 16 * index] + [ours(a, b)] + mates[16 * index:]
         outs, refs = _attention_rows(reqs, q_heads, kv_heads, d, 16, 100 + index, dtype)
         check(outs[16 * index], a, f"in a mixed step at index {16 * index}, [{a}, {b})")
@@ -308,7 +309,8 @@ def test_trainer_forward_reproduces_the_engine_logprobs_exactly(nccl_group, tiny
     mask = rollouts.response_mask
     assert mask.sum() > 0.9 * mask.numel()
 
-    policy = Policy(ModelConfig(path=path, device="cuda", param_dtype="bfloat16", invariant_forward=True), OptimConfig())
+    model_config = ModelConfig(path=path, device="cuda", param_dtype="bfloat16", invariant_forward=True)
+    policy = Policy(model_config, OptimConfig())
     with torch.no_grad():
         got, _ = policy.response_logprobs(rollouts.input_ids, rollouts.prompt_lens, rollouts.response_ids,
                                           temperature=0.8)

@@ -120,11 +120,13 @@ def test_close_to_the_cpu_engine(group, tiny_checkpoint):
 
 def test_config_switch_follows_the_engine_mode(tiny_checkpoint):
     path = tiny_checkpoint("llama")
-    assert TrainerConfig(model=ModelConfig(path=path), rollout=RolloutConfig(batch_invariant=True)).model.invariant_forward
+    on = TrainerConfig(model=ModelConfig(path=path), rollout=RolloutConfig(batch_invariant=True))
+    assert on.model.invariant_forward
     assert not TrainerConfig(model=ModelConfig(path=path)).model.invariant_forward
     assert not TrainerConfig(model=ModelConfig(path=path), rollout=RolloutConfig(batch_invariant=True),
                              lora=LoRAConfig(rank=4)).model.invariant_forward
-    off = TrainerConfig(model=ModelConfig(path=path, invariant_forward=False), rollout=RolloutConfig(batch_invariant=True))
+    off = TrainerConfig(model=ModelConfig(path=path, invariant_forward=False),
+                        rollout=RolloutConfig(batch_invariant=True))
     assert off.model.invariant_forward is False
     with pytest.raises(ValueError, match="model.invariant_forward"):
         TrainerConfig(model=ModelConfig(path=path, invariant_forward=True), lora=LoRAConfig(rank=4))
