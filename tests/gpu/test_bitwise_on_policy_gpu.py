@@ -178,10 +178,12 @@ def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
     return out
 
 
-def _alone(llm, prompts, greedy=False):
-    # One request per generate call, after a reset: nothing cached, nothing beside it.
+def _alone(llm, prompts, greedy=False, indices=None):
+    # One request per generate call, after a reset: nothing cached, nothing beside it. indices: the requests'
+    # places in the batch they are compared with (their seeds are keyed by it).
+    indices = range(len(prompts)) if indices is None else indices
     got = []
-    for i, p in enumerate(prompts):
+    for i, p in zip(indices, prompts):
         llm.engine_core.scheduler.reset_prefix_cache()
         got += _results(llm.generate([{"prompt_token_ids": p}], _params(i, greedy), use_tqdm=False))
     return got
@@ -208,7 +210,7 @@ def test_tokens_and_logprobs_bit_identical_across_batching_cache_hits_chunking_a
     vocab = llm.engine_core.vocab_size
     prompts = _prompts(vocab, 64, seed=3)
     probe = list(range(0, 64, 8))  # requests checked alone (8 of the 64, all lengths and kinds)
-    alone = _alone(llm, [prompts[i] for i in probe], greedy)
+    alone = _alone(llm, [prompts[i] for i in probe], greedy, indices=probe)
     # Alone vs a batch of 64 (parameters keyed by the request's index, so seeds match).
     llm.engine_core.scheduler.reset_prefix_cache()
     batch = _batched(llm, prompts, greedy)
