@@ -21,6 +21,7 @@ from engine.wire import LogprobsLists
 from engine.worker.cuda_graphs import CudaGraphRunner
 from engine.worker.input_batch import InputBatch, make_input_batch
 from engine.worker.model_state import model_state_for
+from engine.worker.prefill_share import SharedPrefill, copy_kv_slots, fold_shared_rows
 from engine.worker.request_state import RequestState
 from engine.worker.runner_output import ModelRunnerOutput
 from engine.worker.spec_decode.proposer import Proposer, VerifiedStep
@@ -125,6 +126,7 @@ class ModelRunner:
         self.num_spec_tokens = 0
         # LoRA serving (LoRAConfig.enable_lora): pages each step's adapters into slots; set by the worker.
         self.lora_manager: LoRAManager | None = None
+        self._attn_layers: list | None = None  # the model's Attention modules, found on first use (_kv_caches)
 
     def set_speculator(self, speculator: Proposer, num_spec_tokens: int) -> None:
         self.speculator = speculator
@@ -167,6 +169,28 @@ class ModelRunner:
             inputs["input_ids"][fill[0]] = fill[1]
         with set_forward_context(attn_metadata, self._lora_mapping(batch)):
             return self.model(**inputs)
+
+    def _shared_prefill(self, batch: InputBatch, routing_rows: list[int]) -> SharedPrefill | None:
+        """The batch with equal-context prefill rows folded (engine/worker/prefill_share.py), or None.
+
+        CPU only for now (the GPU path is not measured with it yet); never with a speculator (its
+        draft model mirrors each prefill row's KV itself) or routing capture (per-row routing), and
+        rows asking for prompt logprobs keep their own hidden states."""
+        if self.device.type != "cpu" or self.speculator is not None or routing_rows or batch.num_reqs < 2:
+            return None
+        params = self.state.sampling_params
+        exclude = np.fromiter((params[s].prompt_logprobs is not None for s in batch.slots.tolist()), dtype=bool,
+                              count=batch.num_reqs)
+        return fold_shared_rows(batch, self.state, PLACEHOLDER, exclude)
+
+    def _kv_caches(self) -> list[torch.Tensor]:
+        """Every attention layer's paged KV tensor (found once; the tensors are read each call, as sleep
+        frees and reallocates them)."""
+        if self._attn_layers is None:
+            from engine.attention.layer import Attention
+
+            self._attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        return [layer.kv_cache for layer in self._attn_layers if layer.kv_cache is not None]
 
     def _lora_mapping(self, batch: InputBatch) -> LoRAMapping | None:
         """Pages this step's adapters into their slots; each token's slot (None: no LoRA in this step)."""
@@ -259,15 +283,21 @@ class ModelRunner:
         if sched.total_num_scheduled_tokens == 0:
             return StepInFlight()
         batch = make_input_batch(self.state, sched, self.block_size)
-        fill = self._placeholder_fill(batch)
         routing_rows = self._set_routing_capture(batch)
-        hidden = self._forward(batch, fill)  # [T, hidden]
-        step = StepInFlight(batch=batch, prompt_logprobs=self._prompt_logprobs(batch, hidden))
+        shared = self._shared_prefill(batch, routing_rows)
+        fwd_batch = batch if shared is None else shared.batch  # the rows the forward runs
+        fill = self._placeholder_fill(fwd_batch)
+        hidden = self._forward(fwd_batch, fill)  # [T of fwd_batch, hidden]
+        if shared is not None:
+            copy_kv_slots(self._kv_caches(), self._h2d(torch.from_numpy(shared.src_slots)),
+                          self._h2d(torch.from_numpy(shared.dst_slots)))
+        step = StepInFlight(batch=batch, prompt_logprobs=self._prompt_logprobs(fwd_batch, hidden))
         step.routed_ids, step.routed_rows = self._routed_experts(batch, routing_rows)
         if self.speculator is not None:  # every step: a draft model mirrors prefill chunks into its KV too
             self._verify_and_propose(sched, batch, hidden, step)
         elif len(batch.sample_rows):
-            logits_indices = self._h2d(torch.from_numpy(batch.logits_indices))
+            logits_indices = self._h2d(torch.from_numpy(
+                batch.logits_indices if shared is None else shared.logits_indices))
             logits = self.model.compute_logits(hidden[logits_indices])  # [S, V]: model dtype on GPU, float32 on CPU
             out = self.sampler(logits, self._sampling_metadata(batch, batch.sample_rows))
             slots = batch.slots[batch.sample_rows]
