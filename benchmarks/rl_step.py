@@ -100,13 +100,15 @@ def trl_grpo_steps(path: str, config: Any, task: Any, num_steps: int, threads: i
     batch = ro.num_prompts_per_step * ro.num_samples_per_prompt
     out_dir = tempfile.mkdtemp(prefix="rl_step_trl_")
     args = GRPOConfig(
-        output_dir=out_dir, max_steps=num_steps, per_device_train_batch_size=batch, num_generations=ro.num_samples_per_prompt,
+        output_dir=out_dir, max_steps=num_steps, per_device_train_batch_size=batch,
+        num_generations=ro.num_samples_per_prompt,
         generation_batch_size=batch, num_iterations=1, max_completion_length=ro.max_tokens,
         temperature=ro.temperature, top_k=0, top_p=1.0, learning_rate=optim.lr, weight_decay=optim.weight_decay,
         adam_beta1=optim.beta1, adam_beta2=optim.beta2, adam_epsilon=optim.eps, max_grad_norm=optim.max_grad_norm,
         lr_scheduler_type="constant", warmup_steps=0, bf16=False, fp16=False, gradient_checkpointing=False,
         loss_type="grpo", scale_rewards="group", beta=0.0, use_vllm=False, use_cpu=True, report_to=[],
-        logging_steps=1, save_strategy="no", disable_tqdm=True, seed=config.seed, dataloader_num_workers=0, log_completions=False,
+        logging_steps=1, save_strategy="no", disable_tqdm=True, seed=config.seed, dataloader_num_workers=0,
+        log_completions=False,
     )
     steps: list[float] = []
     gen: list[float] = []
@@ -134,7 +136,8 @@ def trl_grpo_steps(path: str, config: Any, task: Any, num_steps: int, threads: i
     torch.set_num_threads(threads)
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     return dict(trl_version=__import__("trl").__version__, steps=num_steps, torch_threads=threads,
-                step_ms=median_ms(steps[1:]), generate_ms=median_ms(gen[1:]) if len(gen) > 1 else None,
+                step_ms=median_ms(steps[1:]),
+                generate_ms=median_ms(gen[1:]) if len(gen) > 1 else None,
                 step_all_ms=[1000 * t for t in steps], generate_calls=len(gen), mean_reward_per_step=rewards)
 
 
