@@ -183,9 +183,7 @@ class Policy:
         self.reference = load_sharded_model(model_config, trainable=False) if reference and self.lora is None else None
         # The engine's forward for the logprobs (model.invariant_forward); the HF forward keeps the gradients.
         self.invariant = self.invariant_reference = None
-        if model_config.invariant_forward:
-            if self.lora is not None:
-                raise ValueError("model.invariant_forward: not supported with a LoRA adapter (lora.rank > 0)")
+        if model_config.invariant_forward:  # InvariantForward refuses a LoRA (PEFT) policy
             from engine.models.loader import load_hf_config
             from trainers.invariant_forward import InvariantForward
 

@@ -178,9 +178,13 @@ class ModelRunner:
         rows asking for prompt logprobs keep their own hidden states."""
         if self.device.type != "cpu" or self.speculator is not None or routing_rows or batch.num_reqs < 2:
             return None
+        prefill_rows = np.nonzero(batch.num_scheduled_tokens > 1)[0]
+        if len(prefill_rows) < 2:  # decode steps: nothing to fold, and no per-request work
+            return None
         params = self.state.sampling_params
-        exclude = np.fromiter((params[s].prompt_logprobs is not None for s in batch.slots.tolist()), dtype=bool,
-                              count=batch.num_reqs)
+        exclude = np.zeros(batch.num_reqs, dtype=bool)
+        for row in prefill_rows.tolist():
+            exclude[row] = params[int(batch.slots[row])].prompt_logprobs is not None
         return fold_shared_rows(batch, self.state, PLACEHOLDER, exclude)
 
     def _kv_caches(self) -> list[torch.Tensor]:
