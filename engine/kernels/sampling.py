@@ -16,6 +16,7 @@ probability is below e^-19.4 ~ 4e-9; at most V * 4e-9 of mass, in practice far l
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.kernels import cdiv, next_power_of_2, use_triton
@@ -124,13 +125,15 @@ def gumbel_sample_ref(
     if num_rows == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
     logits = _apply_temperature_ref(logits, keys, temperature)  # [B, V] float32
+    max_finite = _max_finite(logits)
+    dense = not 0 < max_finite <= vocab_size // _SPARSE_FRACTION
+    if dense and logits.device.type == "cpu":
+        return _gumbel_dense_cpu(logits, keys)
     greedy = keys < 0
     k = keys.clamp_min(0)
     k0 = torch.where((k & _M32) >= 2**31, (k & _M32) - 2**32, k & _M32).to(torch.int32)  # [B] low word
     k1 = torch.where((k >> 32) >= 2**31, (k >> 32) - 2**32, k >> 32).to(torch.int32)  # [B] high word
-
-    max_finite = int((logits > float("-inf")).sum(dim=-1).max())
-    if 0 < max_finite <= vocab_size // _SPARSE_FRACTION:
+    if not dense:
         values, ids = logits.topk(max_finite, dim=-1, sorted=False)  # [B, m]: all finite logits (and some -inf)
         golden = ids.to(torch.int32).mul_(_GOLDEN)  # [B, m]
         scores = torch.sub(values, _log_neg_log_u(k0, k1, golden))  # [B, m]
@@ -148,6 +151,65 @@ def gumbel_sample_ref(
         scores = torch.where(greedy[start:end, None], logits[start:end], scores)
         out[start:end] = scores.argmax(dim=-1)
     return out
+
+
+def _max_finite(logits: torch.Tensor) -> int:
+    """The most finite logits any row has (float32 [B, V]); on CPU a numpy pass (torch's boolean reductions
+    cost several times more there), and at once V when no logit is -inf (nothing masked: the usual case)."""
+    if logits.device.type != "cpu":
+        return int((logits > float("-inf")).sum(dim=-1).max())
+    values = logits.numpy()
+    if not np.isneginf(values.min()):
+        return logits.shape[1]
+    return int(np.count_nonzero(values > -np.inf, axis=1).max())
+
+
+_GOLDEN_U32 = np.uint32(0x9E3779B1)
+_C1_U32, _C2_U32 = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
+
+
+def _fmix32_u32_(h: np.ndarray, tmp: np.ndarray) -> None:
+    """_fmix32_ref on uint32 in place (numpy: shifts are logical and products wrap mod 2^32 by themselves)."""
+    for shift, factor in ((16, _C1_U32), (13, _C2_U32)):
+        np.right_shift(h, shift, out=tmp)
+        h ^= tmp
+        h *= factor
+    np.right_shift(h, 16, out=tmp)
+    h ^= tmp
+
+
+def _gumbel_dense_cpu(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:  # [B] int64
+    """The dense branch of gumbel_sample_ref on CPU: the same u bit for bit and the same float32 ops, with the
+    integer hash and the argmax in numpy over the tensors' memory (torch's int32 ops and argmax are several
+    times slower there on small rows; the log stays torch's, so the noise is its values exactly).
+
+    logits: float32 [B, V], already divided by the temperature; keys as gumbel_sample_ref's."""
+    num_rows, vocab_size = logits.shape
+    k = keys.clamp_min(0).numpy()
+    k0 = (k & _M32).astype(np.uint32)  # [B] low word
+    k1 = (k >> 32).astype(np.uint32)  # [B] high word
+    out = np.empty(num_rows, dtype=np.int64)
+    rows_per_block = max(1, _BLOCK_ELEMENTS // max(1, vocab_size))
+    golden = np.arange(vocab_size, dtype=np.uint32) * _GOLDEN_U32  # [V], wraps mod 2^32
+    values = logits.numpy()
+    greedy = keys.numpy() < 0
+    any_greedy = bool(greedy.any())
+    for start in range(0, num_rows, rows_per_block):
+        end = min(num_rows, start + rows_per_block)
+        h = np.bitwise_xor(golden[None, :], k0[start:end, None])  # [b, V]
+        tmp = np.empty_like(h)
+        _fmix32_u32_(h, tmp)
+        h ^= k1[start:end, None]
+        _fmix32_u32_(h, tmp)
+        h >>= 9  # the top 23 bits
+        u = torch.from_numpy(h.astype(np.float32)).mul_(2.0**-23).add_(2.0**-24)  # (2m + 1) * 2^-24, exact
+        log_e = u.log_().neg_().log_()  # log(-log u): minus the noise
+        scores = torch.sub(logits[start:end], log_e, out=log_e).numpy()  # logits + noise
+        if any_greedy:
+            rows = greedy[start:end]
+            scores[rows] = values[start:end][rows]
+        out[start:end] = scores.argmax(axis=-1)  # the first index at the maximum, as torch's argmax
+    return torch.from_numpy(out)
 
 
 # The Triton path splits each row into chunks of whole BLOCK-sized tiles: one program per

@@ -33,6 +33,21 @@ def test_fast_reference_equals_definition(num_rows, vocab, kept_fraction):
     assert bool(torch.isfinite(logits.gather(1, out[:, None])).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_dense_path_with_temperature_over_several_row_blocks_equals_definition(dtype):
+    """The CPU dense path (numpy hash and argmax) over more rows than one block, greedy rows among them, a
+    per-row temperature and low-precision logits: the definition's tokens."""
+    gen = torch.Generator().manual_seed(7)
+    logits = (torch.randn(600, 1000, generator=gen) * 4).to(dtype)  # 262 rows per block: three blocks
+    logits[5] = logits[5].round()  # ties
+    keys = torch.randint(0, 2**63 - 1, (600,), generator=gen)
+    keys[::7] = -1  # greedy rows in every block
+    temperature = torch.rand(600, generator=gen) + 0.25
+    out = gumbel_sample_ref(logits, keys, temperature)
+    assert torch.equal(out, gumbel_sample_simple_ref(logits, keys, temperature))
+    assert torch.equal(out[::7], logits[::7].float().argmax(dim=-1))
+
+
 def test_noise_is_uniform_and_keyed():
     keys = torch.tensor([mix_seed(s, 0) for s in range(64)])
     u = uniform_noise_ref(keys, 4096)  # [64, 4096]
