@@ -41,10 +41,11 @@ class StepInFlight:
     sampled: torch.Tensor | None = None  # [S] int64, device: the next step's placeholders read it
     host_sampled: torch.Tensor | None = None  # [S] int64 host copy (pinned on CUDA), filled asynchronously
     host_logprobs: LogprobsTensors | None = None
-    logprob_counts: list[int | None] = field(default_factory=list)  # [S] logprobs each sampled row asked for
+    logprob_counts: np.ndarray | None = None  # [S] logprobs each sampled row asked for, -1: none
     done: torch.cuda.Event | None = None  # recorded after the copies; None on CPU
     sample_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [S]
     sample_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [S]
+    sample_generations: np.ndarray | None = None  # [S] RequestState.generation of each sample's slot at launch
     # Prompt logprobs and routed experts of this step, on their way to the host like the samples.
     prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
     routed_ids: torch.Tensor | None = None  # [T, num_moe_layers, top_k] int32 host copy
@@ -181,10 +182,8 @@ class ModelRunner:
         prefill_rows = np.nonzero(batch.num_scheduled_tokens > 1)[0]
         if len(prefill_rows) < 2:  # decode steps: nothing to fold, and no per-request work
             return None
-        params = self.state.sampling_params
         exclude = np.zeros(batch.num_reqs, dtype=bool)
-        for row in prefill_rows.tolist():
-            exclude[row] = params[int(batch.slots[row])].prompt_logprobs is not None
+        exclude[prefill_rows] = self.state.wants_prompt_logprobs[batch.slots[prefill_rows]]
         return fold_shared_rows(batch, self.state, PLACEHOLDER, exclude)
 
     def _kv_caches(self) -> list[torch.Tensor]:
@@ -310,10 +309,11 @@ class ModelRunner:
             self.state.token_ids[slots[room], positions[room]] = PLACEHOLDER
             self.state.num_tokens[slots[room]] += 1
             step.sampled, step.sample_slots, step.sample_positions = out.sampled_token_ids, slots, positions
+            step.sample_generations = self.state.generation[slots]
             step.host_sampled = to_host(out.sampled_token_ids)
             if out.logprobs is not None:
                 step.host_logprobs = _logprobs_to_host(out.logprobs)
-                step.logprob_counts = [self.state.sampling_params[s].logprobs for s in slots.tolist()]
+                step.logprob_counts = self.state.num_logprobs[slots]  # -1: the row asked for none
         if self.device.type == "cuda" and (step.host_sampled is not None or step.prompt_logprobs
                                            or step.routed_ids is not None):
             step.done = torch.cuda.Event()
@@ -335,14 +335,20 @@ class ModelRunner:
         if step.spec_sampled is not None:
             sampled, row_logprobs = step.spec_sampled, step.spec_logprobs
         if step.host_sampled is not None:
-            token_ids = step.host_sampled.tolist()
+            host = step.host_sampled.numpy()
+            token_ids = host.tolist()
+            rows = batch.sample_rows
+            if len(rows) == batch.num_reqs:  # every row sampled (rows are 0..n-1 in order): decode steps
+                sampled = [[t] for t in token_ids]
+            else:
+                for row, t in zip(rows.tolist(), token_ids):
+                    sampled[row] = [t]
             st = self.state
-            for i, row in enumerate(batch.sample_rows.tolist()):
-                sampled[row] = [token_ids[i]]
-                slot, pos = int(step.sample_slots[i]), int(step.sample_positions[i])
-                # Skip rows whose request left the runner since (finished, aborted or preempted).
-                if st.slot_to_req_id[slot] == batch.req_ids[row] and pos < st.max_model_len:
-                    st.token_ids[slot, pos] = token_ids[i]
+            slots, positions = step.sample_slots, step.sample_positions
+            # Skip rows whose request left the runner since (finished, aborted or preempted: its slot's
+            # generation moved on) and tokens past max_model_len (never an input).
+            keep = (st.generation[slots] == step.sample_generations) & (positions < st.max_model_len)
+            st.token_ids[slots[keep], positions[keep]] = host[keep]
             if step.host_logprobs is not None:
                 row_logprobs = self._split_logprobs(batch, step.logprob_counts, step.host_logprobs)
         return ModelRunnerOutput(
@@ -466,26 +472,31 @@ class ModelRunner:
         """
         st = self.state
         slots = batch.slots[rows]  # [S]
-        slots_t = torch.from_numpy(slots)
-        params = [st.sampling_params[s] for s in slots.tolist()]
-        temperature = st.temperature[slots_t]
+        # Per-row edits (min_tokens, allowed ids, bad words, logit bias) look at the SamplingParams of the
+        # rows that have any: none in the usual batch, so no per-row Python then.
+        edit_entries = np.flatnonzero(st.uses_row_params[slots]).tolist()
+        params = {i: st.sampling_params[int(slots[i])] for i in edit_entries}
+        temperature = st.column("temperature")[slots]  # [S] numpy
         greedy = temperature == 0.0
         ends = st.num_tokens[slots] if offsets is None else st.num_tokens[slots] + offsets  # [S] history ends
-        num_outputs = (ends - st.num_prompt_tokens[slots]).tolist()
+        num_outputs = ends - st.num_prompt_tokens[slots]  # [S]
 
-        def column(values: torch.Tensor, off_value: float) -> torch.Tensor | None:
-            col = values[slots_t]
-            return self._h2d(col) if bool((col != off_value).any()) else None
+        def column(name: str, off_value: float) -> torch.Tensor | None:
+            col = st.column(name)[slots]  # numpy: a small gather and test cost several times less than torch's
+            return self._h2d(torch.from_numpy(col)) if (col != off_value).any() else None
 
         # Seeded sampling rows' noise keys, all at once (random_sampling.SeededKeys).
         seeded_rows = np.flatnonzero(st.seeded[slots])
         generators = SeededKeys(seeded_rows, mix_seeds(st.seed[slots[seeded_rows]],
                                                        (ends - st.num_prompt_tokens[slots])[seeded_rows]))
-        presence = st.presence_penalty[slots_t]
-        frequency = st.frequency_penalty[slots_t]
-        repetition = st.repetition_penalty[slots_t]
-        use_penalties = bool((presence != 0).any() or (frequency != 0).any() or (repetition != 1).any())
-        need_outputs = use_penalties or any(sp.bad_words_token_ids for sp in params)
+        presence = column("presence_penalty", 0.0)
+        frequency = column("frequency_penalty", 0.0)
+        repetition = column("repetition_penalty", 1.0)
+        use_penalties = presence is not None or frequency is not None or repetition is not None
+        if use_penalties:  # all three columns, the neutral ones included
+            presence, frequency, repetition = (self._h2d(torch.from_numpy(st.column(name)[slots])) for name in
+                                               ("presence_penalty", "frequency_penalty", "repetition_penalty"))
+        need_outputs = use_penalties or any(sp.bad_words_token_ids for sp in params.values())
         output_token_ids = (
             [st.token_ids[s, st.num_prompt_tokens[s] : e].tolist() for s, e in zip(slots.tolist(), ends.tolist())]
             if need_outputs else []
@@ -500,7 +511,7 @@ class ModelRunner:
             prompt_token_ids = self._h2d(torch.from_numpy(padded))
 
         min_tokens = {}
-        for i, sp in enumerate(params):
+        for i, sp in params.items():
             if num_outputs[i] < sp.min_tokens:
                 stop_ids = sp.all_stop_token_ids
                 eos = self.eos_token_ids.get(batch.req_ids[rows[i]])
@@ -509,50 +520,50 @@ class ModelRunner:
                 min_tokens[i] = (sp.min_tokens, stop_ids)
 
         allowed_mask = None
-        if any(sp.allowed_token_ids for sp in params):
-            allowed_mask = torch.zeros(len(params), self.vocab_size, dtype=torch.bool)
-            for i, sp in enumerate(params):
+        if any(sp.allowed_token_ids for sp in params.values()):
+            allowed_mask = torch.zeros(len(slots), self.vocab_size, dtype=torch.bool)
+            for i, sp in params.items():
                 if sp.allowed_token_ids:
                     allowed_mask[i] = True
                     allowed_mask[i, sp.allowed_token_ids] = False
             allowed_mask = self._h2d(allowed_mask)
 
-        wanted = [sp.logprobs for sp in params if sp.logprobs is not None]
-        top_k = column(st.top_k, 0)
+        wanted = int(st.num_logprobs[slots].max()) if len(slots) else -1  # -1: no row asks for logprobs
+        top_k = column("top_k", 0)
         return SamplingMetadata(
-            temperature=self._h2d(temperature),
+            temperature=self._h2d(torch.from_numpy(temperature)),
             all_greedy=bool(greedy.all()),
             all_random=not bool(greedy.any()),
             top_k=top_k,
-            top_p=column(st.top_p, 1.0),
-            min_p=column(st.min_p, 0.0),
+            top_p=column("top_p", 1.0),
+            min_p=column("min_p", 0.0),
             generators=generators,
-            presence_penalties=self._h2d(presence) if use_penalties else None,
-            frequency_penalties=self._h2d(frequency) if use_penalties else None,
-            repetition_penalties=self._h2d(repetition) if use_penalties else None,
+            presence_penalties=presence,
+            frequency_penalties=frequency,
+            repetition_penalties=repetition,
             prompt_token_ids=prompt_token_ids,
             output_token_ids=output_token_ids,
             min_tokens=min_tokens,
-            logit_bias={i: sp.logit_bias for i, sp in enumerate(params) if sp.logit_bias},
+            logit_bias={i: sp.logit_bias for i, sp in params.items() if sp.logit_bias},
             bad_words_token_ids={
-                i: sp.bad_words_token_ids for i, sp in enumerate(params) if sp.bad_words_token_ids
+                i: sp.bad_words_token_ids for i, sp in params.items() if sp.bad_words_token_ids
             },
             allowed_token_ids_mask=allowed_mask,
-            max_num_logprobs=max(wanted) if wanted else None,
+            max_num_logprobs=wanted if wanted >= 0 else None,
             logprobs_mode=self.logprobs_mode,
-            max_top_k=int(st.top_k[slots_t].max()) if top_k is not None else None,
+            max_top_k=int(st.column("top_k")[slots].max()) if top_k is not None else None,
         )
 
     @staticmethod
-    def _split_logprobs(batch: InputBatch, counts: list[int | None], lp: LogprobsTensors) -> list[LogprobsLists | None]:
-        """Each sampled row's logprobs (counts[i]: how many that row asked for, None for none)."""
+    def _split_logprobs(batch: InputBatch, counts: np.ndarray, lp: LogprobsTensors) -> list[LogprobsLists | None]:
+        """Each sampled row's logprobs (counts[i]: how many that row asked for, -1 for none)."""
         rows: list[LogprobsLists | None] = [None] * batch.num_reqs
         # Per-row views of the step's host arrays: the sampler builds fresh tensors every step,
         # so no later step writes into memory these views share.
         token_ids, logprobs, ranks = lp.token_ids.cpu().numpy(), lp.logprobs.cpu().numpy(), lp.ranks.cpu().numpy()
-        for i, row in enumerate(batch.sample_rows.tolist()):
-            if counts[i] is not None:
-                k = counts[i] + 1
+        for i, (row, count) in enumerate(zip(batch.sample_rows.tolist(), counts.tolist())):
+            if count >= 0:
+                k = count + 1
                 rows[row] = LogprobsLists(token_ids[i : i + 1, :k], logprobs[i : i + 1, :k], ranks[i : i + 1])
         return rows
 
@@ -563,10 +574,9 @@ class ModelRunner:
         to the host."""
         out: dict[str, LogprobsTensors] = {}
         st = self.state
-        for row, slot in enumerate(batch.slots.tolist()):
+        for row in np.flatnonzero(st.wants_prompt_logprobs[batch.slots]).tolist():
+            slot = int(batch.slots[row])
             sp = st.sampling_params[slot]
-            if sp.prompt_logprobs is None:
-                continue
             start = int(batch.seq_lens[row] - batch.num_scheduled_tokens[row])
             end = min(int(batch.seq_lens[row]), int(st.num_prompt_tokens[slot]) - 1)
             if start >= end:

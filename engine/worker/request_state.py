@@ -54,14 +54,27 @@ class RequestState:
         self.seeded = np.zeros(max_num_reqs, dtype=bool)
         self.seed = np.zeros(max_num_reqs, dtype=np.uint64)
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
+        # Per-slot flags, so that a step looks at a request's SamplingParams only where they ask for
+        # something: uses_row_params where it has min_tokens, allowed_token_ids, bad words or a logit
+        # bias (the sampler's per-row edits); num_logprobs its `logprobs` (-1: None); wants_prompt_logprobs.
+        self.uses_row_params = np.zeros(max_num_reqs, dtype=bool)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.wants_prompt_logprobs = np.zeros(max_num_reqs, dtype=bool)
         self.return_routed_experts = np.zeros(max_num_reqs, dtype=bool)
         # LoRA: each request's adapter id (0: none) and request (whose path a slot is paged in from).
         self.lora_ids = np.zeros(max_num_reqs, dtype=np.int64)
         self.lora_requests: list[LoRARequest | None] = [None] * max_num_reqs
 
+        # Bumped whenever a slot is given up, so that a launched step's sample can tell whether the request it
+        # was for still holds the slot (RequestState is updated between a step's launch and its collection).
+        self.generation = np.zeros(max_num_reqs, dtype=np.int64)
         self.req_id_to_slot: dict[str, int] = {}
         self.slot_to_req_id: list[str | None] = [None] * max_num_reqs
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
+
+    def column(self, name: str) -> np.ndarray:
+        """A sampling-parameter column's numpy array (the memory its torch column shares), e.g. "top_p"."""
+        return self._columns[name]
 
     def add_request(self, new: NewRequestData) -> int:
         if new.req_id in self.req_id_to_slot:
@@ -91,6 +104,10 @@ class RequestState:
         self.seeded[slot] = sp.seed is not None and not greedy
         self.seed[slot] = seed_to_uint64(sp.seed) if sp.seed is not None else 0
         self.return_routed_experts[slot] = sp.return_routed_experts
+        self.uses_row_params[slot] = bool(sp.min_tokens or sp.allowed_token_ids or sp.bad_words_token_ids
+                                          or sp.logit_bias)
+        self.num_logprobs[slot] = -1 if sp.logprobs is None else sp.logprobs
+        self.wants_prompt_logprobs[slot] = sp.prompt_logprobs is not None
         self.lora_requests[slot] = new.lora_request
         self.lora_ids[slot] = new.lora_request.lora_int_id if new.lora_request is not None else 0
         return slot
@@ -100,8 +117,12 @@ class RequestState:
         if slot is None:
             return
         self.slot_to_req_id[slot] = None
+        self.generation[slot] += 1
         self.sampling_params[slot] = None
         self.return_routed_experts[slot] = False
+        self.uses_row_params[slot] = False
+        self.num_logprobs[slot] = -1
+        self.wants_prompt_logprobs[slot] = False
         self.lora_requests[slot] = None
         self.lora_ids[slot] = 0
         self._free_slots.append(slot)
