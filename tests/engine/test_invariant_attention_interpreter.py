@@ -5,35 +5,15 @@ step, beside other requests, or from another block layout; and close to the torc
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from interpreter_run import LOOP_PROBE, run_interpreted
 
-REPO = Path(__file__).resolve().parents[2]
 
 # Run in a child: TRITON_INTERPRET must be set before triton is first imported. Tiny shapes (the
 # interpreter runs every program in Python and CI has two cores), but long enough for several
 # KV tiles (BLOCK_N = 64) and query tiles, with block_size 16.
-_INTERPRETER_SCRIPT = r"""
-import sys
-import torch
-import triton
-import triton.language as tl
-
-@triton.jit
-def _probe(out_ptr, n):
-    for i in range(0, n, 1):
-        if tl.load(out_ptr + i) >= 0:
-            tl.store(out_ptr + i, i)
-
-try:  # Triton 3.6's interpreter int()s 1-element arrays in loops, which NumPy >= 2.4 refuses
-    _probe[(1,)](torch.zeros(2), 2)
-except Exception as e:
-    print(f"interpreter cannot run loops here: {e!r}")
-    sys.exit(77)
+_INTERPRETER_SCRIPT = LOOP_PROBE + r"""
 
 from engine.attention import torch_ref
 from engine.attention.metadata import AttentionMetadata
@@ -164,11 +144,4 @@ print("ok", checked)
 # Triton 3.9); bfloat16 runs on the GPU (tests/gpu/test_bitwise_on_policy_gpu.py).
 @pytest.mark.parametrize("dtype", ["float32"])
 def test_invariant_attention_rows_under_interpreter(dtype):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT, dtype], check=False, cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    if proc.returncode == 77:
-        pytest.skip(proc.stdout.strip())
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.strip().startswith("ok")
+    assert run_interpreted(_INTERPRETER_SCRIPT, dtype, timeout=600).strip().startswith("ok")
