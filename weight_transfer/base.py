@@ -27,6 +27,7 @@ through parse_message; a backend only adds the checks against its own state and 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import math
@@ -453,11 +454,18 @@ def _placements(param: torch.Tensor) -> tuple[str, ...]:
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+@functools.cache
+def _dtensor_type() -> type | None:
+    """torch's DTensor class, imported once (a sync asks this of every tensor); None: torch without distributed."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(t, DTensor)
+        return None
+    return DTensor
 
 
 class ModuleSource(WeightSource):

@@ -44,6 +44,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import mmap
 import os
@@ -103,7 +104,9 @@ def device_key(device: torch.device) -> str:
     raise ValueError(f"device: the ipc backend shares cuda or cpu memory, not {device.type!r}")
 
 
+@functools.cache
 def _boot_id() -> str:
+    """This machine's boot id, read once per process (it changes only with a reboot)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip()
@@ -627,6 +630,7 @@ class _Buffer:
     gen: int
     tensor: torch.Tensor  # uint8 [capacity], on the trainer's device
     descriptor: dict
+    key: str = ""  # device_key of tensor's device, the key update_info publishes the descriptor under
     segment_name: str | None = None  # CPU
     cuda_ref: tuple[bytes, int] | None = None  # CUDA: (ref counter, offset) of the export
     # A pack's (offset, dtype, shape) per tensor -> typed views into `tensor` to copy them into:
@@ -702,6 +706,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         self._next_ring = 0
         self._closed = False
         self.num_exports = 0  # buffers exported so far (each costs an export here and an open in the engine)
+        self._plans: list[tuple[list[ParamMeta], tuple]] = []  # _plan's: (a source's metadata, its plan)
 
     # ---- set-up ----------------------------------------------------------------------------------
 
@@ -762,10 +767,9 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
 
     def _send(self, source: WeightSource) -> SyncStats:
         metas = source.metadata
-        packs = packing.plan_packs([m.nbytes for m in metas], self.config.packed_buffer_size_bytes)
+        packs, tensor_list, dense_bytes = self._plan(metas)
         exports_before = self.num_exports
-        self._sync(metas, packs, _PeekedSource(iter(source.iter_full())))
-        dense_bytes = sum(m.nbytes for m in metas)
+        self._sync(metas, packs, tensor_list, _PeekedSource(iter(source.iter_full())))
         # Each byte crosses once: the trainer's copy into the shared buffer.
         stats = SyncStats(backend=self.backend, num_tensors=len(metas), bytes_sent=dense_bytes, dense_bytes=dense_bytes)
         stats.extra.update(num_packs=len(packs), buffer_ids=self.buffer_ids, num_exports=self.num_exports - exports_before)
@@ -776,7 +780,22 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         """ "slot.generation" of every live buffer; the same ids across syncs mean the same exports, reused."""
         return [self._buffers[slot].buffer_id for slot in sorted(self._buffers)]
 
-    def _sync(self, metas: list[ParamMeta], packs: list[packing.Pack], items: _PeekedSource) -> None:
+    def _plan(self, metas: list[ParamMeta]) -> tuple[list[packing.Pack], dict, int]:
+        """The packs, the tensor list and the bytes of a source's tensors, made once per source.
+
+        A source's metadata is one list that never changes (WeightSource.metadata is cached), so it is
+        known by identity; the plan of the last two sources is kept (a model's and its adapter's)."""
+        limit = self.config.packed_buffer_size_bytes
+        for cached_metas, plan in self._plans:
+            if cached_metas is metas:
+                return plan
+        packs = packing.plan_packs([m.nbytes for m in metas], limit)
+        tensor_list = packing.tensor_list([m.name for m in metas], [m.dtype for m in metas], [m.shape for m in metas])
+        plan = (packs, tensor_list, sum(m.nbytes for m in metas))
+        self._plans = [(metas, plan), *self._plans[:1]]  # holds the list: its id is not reused meanwhile
+        return plan
+
+    def _sync(self, metas: list[ParamMeta], packs: list[packing.Pack], tensor_list: dict, items: _PeekedSource) -> None:
         """Every pack into a buffer and its update_weights call, each call answered; on a failure the
         engine's waits are stopped and its calls ended (the base class then aborts the update)."""
         control = self._require_control()
@@ -785,7 +804,6 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
             False: max((p.nbytes for p in packs if p.nbytes <= limit), default=0),
             True: max((p.nbytes for p in packs if p.nbytes > limit), default=0),
         }
-        tensor_list = packing.tensor_list([m.name for m in metas], [m.dtype for m in metas], [m.shape for m in metas])
         control.set_aborted(False)
         pending: dict[int, _InFlight] = {}  # slot -> the update_weights call reading it
         where = "before the first pack"
@@ -802,7 +820,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
                     "buffer_size": limit,
                     "slot": slot,
                     "seq": seq,
-                    "buffer": {device_key(buffer.tensor.device): buffer.descriptor},
+                    "buffer": {buffer.key: buffer.descriptor},
                 }
                 # Posted before the fill: the call's round trip overlaps the copy; the engine waits for `ready`.
                 future = call_in_background(self.client.update_weights, update_info)
@@ -933,6 +951,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
             handle = {"kind": "shm", "name": name}
             buffer = _Buffer(slot, gen, tensor, {}, segment_name=name)
         buffer.descriptor = {"slot": slot, "gen": gen, "capacity": capacity, "handle": handle}
+        buffer.key = device_key(tensor.device)
         self._buffers[slot] = buffer
         self.num_exports += 1
         return buffer
