@@ -356,11 +356,13 @@ class AsyncMPClient(_MPClient, AsyncEngineCoreClient):
             logger.exception("AsyncMPClient: dropped an undecodable message from the engine")
             return
         if outputs.utility_output is not None:
+            # The stats first: a consumer waiting on the queue then resumes before the caller does, so the
+            # caller usually finds them taken already (outputs_pending() False) and need not wait for that.
+            if (stats := self._utility_stats(outputs)) is not None:
+                outputs_queue.put_nowait(stats)
             future = self._utility_futures.pop(outputs.utility_output.call_id, None)
             if future is not None and not future.done():
                 future.set_result(outputs)
-            if (stats := self._utility_stats(outputs)) is not None:
-                outputs_queue.put_nowait(stats)
         else:
             self._note_status(outputs)
             outputs_queue.put_nowait(outputs)
@@ -385,10 +387,18 @@ class AsyncMPClient(_MPClient, AsyncEngineCoreClient):
             if not outputs.future.done():
                 outputs.future.set_result(None)
 
+    def outputs_pending(self) -> bool:
+        """Whether messages queued for the consumer of get_output_async are still untaken, i.e. whether
+        outputs_taken() would wait. False means the consumer has taken (and, being on this loop and
+        back at its next get, handled) everything queued so far."""
+        return self._outputs is not None and not self._outputs.empty()
+
     async def outputs_taken(self) -> None:
         """Returns once the consumer of get_output_async has taken every message queued before this
         call, e.g. the stats a utility answer carried (they are queued before its caller resumes).
         The consumer must be running: AsyncLLM's output handler is."""
+        if not self.outputs_pending():
+            return
         future = self._loop.create_future()
         self._ensure_reader().put_nowait(_Taken(future))
         await future
