@@ -11,6 +11,21 @@ NUM_PROMPT_CONTEXT_TOKENS = 6
 
 _REPLACEMENT_CHAR = "\ufffd"
 
+# (context ids, their text): what an IncrementalDetokenizer starts from (see prompt_context).
+PromptContext = tuple[list[int], str]
+
+
+def prompt_context(tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> PromptContext:
+    """The decoding context of a prompt's outputs: its last NUM_PROMPT_CONTEXT_TOKENS tokens and their text,
+    or none when that text ends in an incomplete character (see IncrementalDetokenizer)."""
+    backend = tokenizer.backend_tokenizer
+    context = list(prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:])
+    text = backend.decode(context, skip_special_tokens=skip_special_tokens)
+    if text.endswith(_REPLACEMENT_CHAR):
+        context = []
+        text = backend.decode(context, skip_special_tokens=skip_special_tokens)
+    return context, text
+
 
 class IncrementalDetokenizer:
     """Decodes output tokens incrementally with the tokenizers library's DecodeStream.
@@ -43,15 +58,19 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
+        context: PromptContext | None = None,
     ) -> None:
+        """`context`: prompt_context(tokenizer, prompt_token_ids, skip_special_tokens), when the caller
+        already has it (the n children of one request share their prompt, so one computes it for all)."""
         self._backend = tokenizer.backend_tokenizer  # the Rust tokenizers.Tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
-        context = list(prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:])
-        if self._decode(context).endswith(_REPLACEMENT_CHAR):
-            context = []
-        self._context_ids = context
-        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        if context is None:
+            context = prompt_context(tokenizer, prompt_token_ids, skip_special_tokens)
+        # The context's ids (never changed: shared between detokenizers) and their text.
+        self._context_ids, self._context_text = context
+        # Started by the first update(); an output decoded whole (decode_whole) never needs one.
+        self._stream: DecodeStream | None = None
         self.token_ids: list[int] = []  # every output id passed to update
         # token_ids[:_num_final] are fully reflected in output_text; the rest are pending.
         self._num_final = 0
@@ -63,6 +82,8 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: list[int], finished: bool = False) -> str:
         """Adds tokens and returns the text they made final (all pending text if finished)."""
         pieces = []
+        if self._stream is None:
+            self._stream = DecodeStream(ids=self._context_ids, skip_special_tokens=self.skip_special_tokens)
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
             try:
@@ -102,7 +123,8 @@ class IncrementalDetokenizer:
     def _decode_pending(self) -> str:
         """Text of the pending tokens: decode(recent final + pending) minus decode(recent final)."""
         prefix_ids = self._recent_final_ids()
-        prefix = self._decode(prefix_ids)
+        # Before any final token the prefix is the context, whose text is known already.
+        prefix = self._context_text if self._num_final == 0 else self._decode(prefix_ids)
         full = self._decode(prefix_ids + self.token_ids[self._num_final :])
         # The final tokens decoded without a trailing partial character, so their text is a
         # prefix of the longer decode (UTF-8 is self-synchronising).

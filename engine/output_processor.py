@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, PromptContext, prompt_context
 from engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs, WeightVersionSpan
 from engine.sampling_params import RequestOutputKind, SamplingParams, _check_int64
 from engine.stop_strings import find_stop_string, stop_hold_back
@@ -97,7 +97,9 @@ class RequestState:
         token_text: _TokenTextCache | None,
         parent: ParentRequest | None,
         index: int,
+        detok_context: PromptContext | None = None,
     ) -> None:
+        """`detok_context`: the detokenizer's prompt context when the caller has it (shared by n children)."""
         params = request.sampling_params
         self.req_id = request.request_id
         self.prompt = prompt
@@ -112,7 +114,8 @@ class RequestState:
         self.detokenizer = None
         if params.detokenize and tokenizer is not None:
             self.detokenizer = IncrementalDetokenizer(
-                tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
+                tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens,
+                detok_context,
             )
         self.stop = params.stop if self.detokenizer is not None else None
         self.hold_back = stop_hold_back(self.stop, params.include_stop_str_in_output)
@@ -156,15 +159,19 @@ class RequestState:
         """Folds one step into the state; returns True if a stop string finished the request here."""
         new_ids = out.new_token_ids
         if new_ids:
-            if not self.weight_span_starts or self.weight_span_starts[-1][0] != weight_version:
-                self.weight_span_starts.append((weight_version, len(self.token_ids)))
+            spans = self.weight_span_starts
+            if not spans or spans[-1][0] != weight_version:
+                spans.append((weight_version, len(self.token_ids)))
             self.token_ids += new_ids
-        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.num_cached_tokens > self.num_cached_tokens:
+            self.num_cached_tokens = out.num_cached_tokens
         if self.wants_extras:
             self._update_extras(out)
-        finished = out.finish_reason is not None
+        finish_reason = out.finish_reason
+        finished = finish_reason is not None
         if finished:
-            self.finish_reason, self.stop_reason = str(out.finish_reason), out.stop_reason
+            text = _FINISH_TEXT[finish_reason] if type(finish_reason) is FinishReason else str(finish_reason)
+            self.finish_reason, self.stop_reason = text, out.stop_reason
 
         if self.detokenizer is None:
             return False
@@ -198,13 +205,13 @@ class RequestState:
     def _update_extras(self, out: EngineCoreOutput) -> None:
         """Logprobs, prompt logprobs and routed experts of one step."""
         if out.new_logprobs is not None and self.logprobs is not None:
-            rows = self._logprob_dicts(out.new_logprobs, self.params.logprobs, self.logprobs)
+            rows, chosen = self._logprob_dicts(out.new_logprobs, self.params.logprobs, self.logprobs)
             self.logprobs += rows
-            self.cumulative_logprob += sum(next(iter(row.values())).logprob for row in rows)  # chosen entry is first
+            self.cumulative_logprob += sum(chosen)
         if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
             self.prompt_logprobs += self._logprob_dicts(
                 out.new_prompt_logprobs, self.params.prompt_logprobs, self.prompt_logprobs
-            )
+            )[0]
         if out.new_routed_experts is not None and self.routed_experts is not None:
             rows = out.new_routed_experts
             if self.num_routed_to_skip:
@@ -222,28 +229,52 @@ class RequestState:
             if end > start_tok
         ]
 
-    def _logprob_dicts(self, lists: LogprobsLists, num_top: int, history: list) -> list[dict[int, Logprob]]:
-        """Per position {token_id: Logprob}: the chosen token (its true rank) first, then the top num_top.
-        `history`: the positions these follow (the request's logprobs or prompt logprobs so far), whose
-        chosen tokens are the context that completes a token text left as a partial UTF-8 sequence."""
-        decode = self.token_text.get if self.token_text is not None else (lambda _: None)
-        rows = []
+    def _logprob_dicts(
+        self, lists: LogprobsLists, num_top: int, history: list
+    ) -> tuple[list[dict[int, Logprob]], list[float]]:
+        """Per position {token_id: Logprob}: the chosen token (its true rank) first, then the top num_top;
+        and the chosen tokens' logprobs. `history`: the positions these follow (the request's logprobs or
+        prompt logprobs so far), whose chosen tokens are the context that completes a token text left as a
+        partial UTF-8 sequence."""
+        token_text = self.token_text
         # One .tolist() per array and chunk: Python ints and floats from here on.
         token_ids, logprobs, ranks = lists.token_ids.tolist(), lists.logprobs.tolist(), lists.ranks.tolist()
+        chosen = [lps[0] for lps in logprobs]
+        rows: list[dict[int, Logprob]] = []
+        if token_text is None:  # no detokenization: decoded_token stays None
+            for ids, lps, rank in zip(token_ids, logprobs, ranks):
+                row = {ids[0]: Logprob(lps[0], rank, None)}
+                for k in range(1, min(num_top, len(ids) - 1) + 1):
+                    if ids[k] not in row:
+                        row[ids[k]] = Logprob(lps[k], k, None)
+                rows.append(row)
+            return rows, chosen
+        cache = token_text.texts
+        decode = token_text.get
         for ids, lps, rank in zip(token_ids, logprobs, ranks):
-            row = {ids[0]: Logprob(lps[0], rank, decode(ids[0]))}
+            tid = ids[0]
+            text = cache.get(tid)
+            if text is None:
+                text = decode(tid)
+            partial = text.endswith(_REPLACEMENT)
+            row = {tid: Logprob(lps[0], rank, text)}
             # Columns 1..K hold the top-K in order, so column k has rank k. The engine may send
             # more columns than this request asked for (it samples a batch with one K).
             for k in range(1, min(num_top, len(ids) - 1) + 1):
-                if ids[k] not in row:  # the chosen token keeps its own entry
-                    row[ids[k]] = Logprob(lps[k], k, decode(ids[k]))
-            if self.token_text is not None and any(lp.decoded_token.endswith(_REPLACEMENT) for lp in row.values()):
+                tid = ids[k]
+                if tid not in row:  # the chosen token keeps its own entry
+                    text = cache.get(tid)
+                    if text is None:
+                        text = decode(tid)
+                    partial = partial or text.endswith(_REPLACEMENT)
+                    row[tid] = Logprob(lps[k], k, text)
+            if partial:
                 context = _chosen_ids(history, rows)
                 for tid, lp in row.items():
                     if lp.decoded_token.endswith(_REPLACEMENT):
-                        lp.decoded_token = self.token_text.completed(tid, context)
+                        lp.decoded_token = token_text.completed(tid, context)
             rows.append(row)
-        return rows
+        return rows, chosen
 
     def make_completion(self) -> CompletionOutput | None:
         """The CompletionOutput to report after a step, per output kind (None: report nothing)."""
@@ -285,6 +316,8 @@ class RequestState:
         return self.prompt_logprobs
 
 
+# str() of each FinishReason (its __str__ is a Python call per finished request).
+_FINISH_TEXT = {reason: str(reason) for reason in FinishReason}
 _REPLACEMENT = "\ufffd"  # what decoding a partial UTF-8 sequence ends with
 _MAX_UTF8_CONTEXT = 4  # a UTF-8 character spans at most 4 bytes, so at most 4 byte-fallback tokens
 
@@ -304,7 +337,7 @@ class _TokenTextCache:
 
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
+        self.texts: dict[int, str] = {}  # by token id; read directly where a lookup is per token
 
     def completed(self, token_id: int, context: list[int]) -> str:
         """The text `token_id` adds after `context` when on its own it decodes to a partial UTF-8 sequence
@@ -330,9 +363,9 @@ class _TokenTextCache:
         return ""
 
     def get(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
+        text = self.texts.get(token_id)
         if text is None:
-            text = self._cache[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            text = self.texts[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
 
@@ -351,12 +384,14 @@ class OutputProcessor:
         prompt: str | None,
         parent_req: ParentRequest | None = None,
         index: int = 0,
+        detok_context: PromptContext | None = None,
     ) -> None:
+        """`detok_context`: prompt_context() of the request's prompt, when the caller has it."""
         req_id = request.request_id
         if req_id in self.request_states:
             raise ValueError(f"request_id: {req_id!r} is already running")
         token_text = self._token_text if request.sampling_params.detokenize else None
-        state = RequestState(request, prompt, self.tokenizer, token_text, parent_req, index)
+        state = RequestState(request, prompt, self.tokenizer, token_text, parent_req, index, detok_context)
         self.request_states[req_id] = state
         if parent_req is not None:
             parent_req.child_states[index] = state
@@ -370,8 +405,13 @@ class OutputProcessor:
             return [request]
         parent = ParentRequest(request.request_id, request.sampling_params)
         children = parent.make_child_requests(request)
+        params = request.sampling_params
+        # The children share the prompt, hence the detokenizer's context: computed once for all n.
+        context = None
+        if params.detokenize and self.tokenizer is not None:
+            context = prompt_context(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
         for index, child in enumerate(children):
-            self.add_request(child, prompt, parent, index)
+            self.add_request(child, prompt, parent, index, context)
         return children
 
     def abort_requests(self, req_ids: list[str]) -> list[str]:
@@ -412,8 +452,9 @@ class OutputProcessor:
         reqs_to_abort: list[str] = []
         # Children's reports are gathered per parent so each step yields one output per parent.
         parent_reports: dict[str, dict[int, _Delta]] = {}
+        request_states = self.request_states
         for out in engine_core_outputs:
-            state = self.request_states.get(out.request_id)
+            state = request_states.get(out.request_id)
             if state is None:
                 continue  # aborted meanwhile
             version = weight_version
@@ -421,16 +462,21 @@ class OutputProcessor:
                 version = lora_weight_versions.get(state.lora_request.lora_int_id, weight_version)
             if state.update(out, version):
                 reqs_to_abort.append(state.req_id)
-            if state.finished:
-                del self.request_states[state.req_id]
+            finished = state.finish_reason is not None
+            if finished:
+                del request_states[state.req_id]
             elif state.final_only:
                 continue  # nothing to show until it finishes (for a child: nothing to gather)
             # Steps without new tokens (prompt-logprob chunks of a chunked prefill) report nothing.
-            if not out.new_token_ids and not state.finished:
+            elif not out.new_token_ids:
                 continue
             completion = state.make_completion()
-            if state.parent is not None:
-                parent_reports.setdefault(state.parent.request_id, {})[state.index] = _Delta(completion, state.finished)
+            parent = state.parent
+            if parent is not None:
+                reports = parent_reports.get(parent.request_id)
+                if reports is None:
+                    reports = parent_reports[parent.request_id] = {}
+                reports[state.index] = _Delta(completion, finished)
             elif completion is not None:
                 request_outputs.append(
                     RequestOutput(

@@ -6,7 +6,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.wire import EngineCoreOutputs
+from engine.wire import EngineCoreOutputs, FinishReason
+
+# str() of each FinishReason (its __str__ is a Python call per finished request).
+_FINISH_TEXT = {reason: str(reason) for reason in FinishReason}
 
 
 @dataclass(slots=True)  # slots: read and written per request on every step
@@ -152,8 +155,14 @@ class IterationStatsRecorder:
         self._last_step_end[outputs.engine_index] = engine_time
         stats = IterationStats(iteration_timestamp=now)
 
+        # Per output only the per-request fields; the step's sums are kept in locals and stored once.
+        requests = self.requests
+        time_to_first_tokens = stats.time_to_first_tokens
+        inter_token_latencies = stats.inter_token_latencies
+        num_prompt_tokens = num_cached_prompt_tokens = num_generation_tokens = 0
+        any_tokens = False
         for out in outputs.outputs:
-            state = self.requests.get(out.request_id)
+            state = requests.get(out.request_id)
             if state is None:
                 continue  # not tracked, or already finished by the frontend
             num_new = len(out.new_token_ids)
@@ -163,20 +172,27 @@ class IterationStatsRecorder:
                 if state.num_generation_tokens == 0:
                     state.scheduled_time = max(state.arrival_time, step_start)
                     state.first_token_time = engine_time
-                    stats.time_to_first_tokens.append(now - state.arrival_time)
-                    stats.num_prompt_tokens += state.num_prompt_tokens
+                    time_to_first_tokens.append(now - state.arrival_time)
+                    num_prompt_tokens += state.num_prompt_tokens
                     state.num_cached_tokens = min(out.num_cached_tokens, state.num_prompt_tokens)
-                    stats.num_cached_prompt_tokens += state.num_cached_tokens
+                    num_cached_prompt_tokens += state.num_cached_tokens
                 else:
-                    stats.inter_token_latencies.append(now - state.last_seen_time)
+                    inter_token_latencies.append(now - state.last_seen_time)
                 state.num_generation_tokens += num_new
                 state.last_token_time = engine_time
                 state.last_seen_time = now
-                stats.num_generation_tokens += num_new
-                # Only a step's outputs carry the engine's version (a utility answer's says "default").
-                stats.weight_version = outputs.weight_version
-            if out.finish_reason is not None:
-                self._finish(out.request_id, str(out.finish_reason), now, stats)
+                num_generation_tokens += num_new
+                any_tokens = True
+            finish_reason = out.finish_reason
+            if finish_reason is not None:
+                text = _FINISH_TEXT[finish_reason] if type(finish_reason) is FinishReason else str(finish_reason)
+                self._finish(out.request_id, text, now, stats)
+        stats.num_prompt_tokens = num_prompt_tokens
+        stats.num_cached_prompt_tokens = num_cached_prompt_tokens
+        stats.num_generation_tokens = num_generation_tokens
+        if any_tokens:
+            # Only a step's outputs carry the engine's version (a utility answer's says "default").
+            stats.weight_version = outputs.weight_version
         for req_id in stopped_req_ids:
             if req_id in self.requests:
                 self._finish(req_id, "stop", now, stats)
