@@ -222,6 +222,10 @@ class RequestState:
     def _weight_spans_from(self, start_tok: int) -> list[WeightVersionSpan]:
         """The spans of token_ids[start_tok:], re-based so that they index that slice."""
         starts = self.weight_span_starts
+        if len(starts) == 1:  # one version computed every token (the usual case)
+            version, start = starts[0]
+            end = len(self.token_ids)
+            return [WeightVersionSpan(version, max(start, start_tok) - start_tok, end - start_tok)] if end > start_tok else []
         ends = [start for _, start in starts[1:]] + [len(self.token_ids)]
         return [
             WeightVersionSpan(version, max(start, start_tok) - start_tok, end - start_tok)
