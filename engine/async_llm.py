@@ -331,18 +331,13 @@ class AsyncLLM:
         # loggers through the output handler: wait until it has taken them, so that a /metrics scrape
         # right after a control's answer sees their effect. Unless the handler is gone (a dead engine).
         # Usually it has already (the answer's stats are queued before the answer wakes us): no wait then.
-        if not self._outputs_pending():
+        if not self.engine_core.outputs_pending():
             return result
         taken = asyncio.ensure_future(self.engine_core.outputs_taken())
         await asyncio.wait({taken, self._output_task}, return_when=asyncio.FIRST_COMPLETED)
         if not taken.done():
             taken.cancel()
         return result
-
-    def _outputs_pending(self) -> bool:
-        """Whether the output handler has messages still to take (a client that cannot tell: assume so)."""
-        pending = getattr(self.engine_core, "outputs_pending", None)
-        return pending is None or pending()
 
     @staticmethod
     def _local_error(remote: str) -> Exception:

@@ -117,6 +117,11 @@ class AsyncEngineCoreClient(EngineCoreClient):
         """Returns once the output consumer has taken every message queued so far (a client without an
         output queue has nothing to wait for)."""
 
+    def outputs_pending(self) -> bool:
+        """Whether outputs_taken() would wait: messages queued for the output consumer are still untaken
+        (a client without an output queue has none)."""
+        return False
+
     @abstractmethod
     async def fault_tolerance_status_async(self) -> str: ...
 

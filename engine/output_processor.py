@@ -9,7 +9,7 @@ from engine.detokenizer import IncrementalDetokenizer, PromptContext, prompt_con
 from engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs, WeightVersionSpan
 from engine.sampling_params import RequestOutputKind, SamplingParams, _check_int64
 from engine.stop_strings import find_stop_string, stop_hold_back
-from engine.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
+from engine.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists, finish_reason_text
 
 
 @dataclass
@@ -167,11 +167,9 @@ class RequestState:
             self.num_cached_tokens = out.num_cached_tokens
         if self.wants_extras:
             self._update_extras(out)
-        finish_reason = out.finish_reason
-        finished = finish_reason is not None
+        finished = out.finish_reason is not None
         if finished:
-            text = _FINISH_TEXT[finish_reason] if type(finish_reason) is FinishReason else str(finish_reason)
-            self.finish_reason, self.stop_reason = text, out.stop_reason
+            self.finish_reason, self.stop_reason = finish_reason_text(out.finish_reason), out.stop_reason
 
         if self.detokenizer is None:
             return False
@@ -222,10 +220,6 @@ class RequestState:
     def _weight_spans_from(self, start_tok: int) -> list[WeightVersionSpan]:
         """The spans of token_ids[start_tok:], re-based so that they index that slice."""
         starts = self.weight_span_starts
-        if len(starts) == 1:  # one version computed every token (the usual case)
-            version, start = starts[0]
-            end = len(self.token_ids)
-            return [WeightVersionSpan(version, max(start, start_tok) - start_tok, end - start_tok)] if end > start_tok else []
         ends = [start for _, start in starts[1:]] + [len(self.token_ids)]
         return [
             WeightVersionSpan(version, max(start, start_tok) - start_tok, end - start_tok)
@@ -241,44 +235,33 @@ class RequestState:
         prompt logprobs so far), whose chosen tokens are the context that completes a token text left as a
         partial UTF-8 sequence."""
         token_text = self.token_text
+        texts = token_text.texts if token_text is not None else None  # None: decoded_token stays None
         # One .tolist() per array and chunk: Python ints and floats from here on.
         token_ids, logprobs, ranks = lists.token_ids.tolist(), lists.logprobs.tolist(), lists.ranks.tolist()
-        chosen = [lps[0] for lps in logprobs]
         rows: list[dict[int, Logprob]] = []
-        if token_text is None:  # no detokenization: decoded_token stays None
-            for ids, lps, rank in zip(token_ids, logprobs, ranks):
-                row = {ids[0]: Logprob(lps[0], rank, None)}
-                for k in range(1, min(num_top, len(ids) - 1) + 1):
-                    if ids[k] not in row:
-                        row[ids[k]] = Logprob(lps[k], k, None)
-                rows.append(row)
-            return rows, chosen
-        cache = token_text.texts
-        decode = token_text.get
         for ids, lps, rank in zip(token_ids, logprobs, ranks):
-            tid = ids[0]
-            text = cache.get(tid)
-            if text is None:
-                text = decode(tid)
-            partial = text.endswith(_REPLACEMENT)
-            row = {tid: Logprob(lps[0], rank, text)}
-            # Columns 1..K hold the top-K in order, so column k has rank k. The engine may send
-            # more columns than this request asked for (it samples a batch with one K).
-            for k in range(1, min(num_top, len(ids) - 1) + 1):
+            row: dict[int, Logprob] = {}
+            partial = False
+            # Column 0 is the chosen token; columns 1..K hold the top-K in order, so column k has rank k. The
+            # engine may send more columns than this request asked for (it samples a batch with one K).
+            for k in range(min(num_top, len(ids) - 1) + 1):
                 tid = ids[k]
-                if tid not in row:  # the chosen token keeps its own entry
-                    text = cache.get(tid)
+                if tid in row:  # the chosen token keeps its own entry
+                    continue
+                text = None
+                if texts is not None:
+                    text = texts.get(tid)
                     if text is None:
-                        text = decode(tid)
+                        text = token_text.get(tid)
                     partial = partial or text.endswith(_REPLACEMENT)
-                    row[tid] = Logprob(lps[k], k, text)
+                row[tid] = Logprob(lps[k], rank if k == 0 else k, text)
             if partial:
                 context = _chosen_ids(history, rows)
                 for tid, lp in row.items():
                     if lp.decoded_token.endswith(_REPLACEMENT):
                         lp.decoded_token = token_text.completed(tid, context)
             rows.append(row)
-        return rows, chosen
+        return rows, [lps[0] for lps in logprobs]
 
     def make_completion(self) -> CompletionOutput | None:
         """The CompletionOutput to report after a step, per output kind (None: report nothing)."""
@@ -320,8 +303,6 @@ class RequestState:
         return self.prompt_logprobs
 
 
-# str() of each FinishReason (its __str__ is a Python call per finished request).
-_FINISH_TEXT = {reason: str(reason) for reason in FinishReason}
 _REPLACEMENT = "\ufffd"  # what decoding a partial UTF-8 sequence ends with
 _MAX_UTF8_CONTEXT = 4  # a UTF-8 character spans at most 4 bytes, so at most 4 byte-fallback tokens
 

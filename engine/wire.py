@@ -27,6 +27,14 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
+_FINISH_TEXT = {reason: str(reason) for reason in FinishReason}
+
+
+def finish_reason_text(reason: object) -> str:
+    """str(reason), from a table for a FinishReason (its __str__ is a Python call per finished request)."""
+    return _FINISH_TEXT[reason] if type(reason) is FinishReason else str(reason)
+
+
 class EngineStatus(enum.IntEnum):
     """The engine's health as pushed to its clients (EngineCoreOutputs.engine_status)."""
 

@@ -6,10 +6,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.wire import EngineCoreOutputs, FinishReason
-
-# str() of each FinishReason (its __str__ is a Python call per finished request).
-_FINISH_TEXT = {reason: str(reason) for reason in FinishReason}
+from engine.wire import EngineCoreOutputs, finish_reason_text
 
 
 @dataclass(slots=True)  # slots: read and written per request on every step
@@ -183,10 +180,8 @@ class IterationStatsRecorder:
                 state.last_seen_time = now
                 num_generation_tokens += num_new
                 any_tokens = True
-            finish_reason = out.finish_reason
-            if finish_reason is not None:
-                text = _FINISH_TEXT[finish_reason] if type(finish_reason) is FinishReason else str(finish_reason)
-                self._finish(out.request_id, text, now, stats)
+            if out.finish_reason is not None:
+                self._finish(out.request_id, finish_reason_text(out.finish_reason), now, stats)
         stats.num_prompt_tokens = num_prompt_tokens
         stats.num_cached_prompt_tokens = num_cached_prompt_tokens
         stats.num_generation_tokens = num_generation_tokens

@@ -328,7 +328,7 @@ class ModelRunner:
         batch = step.batch
         if batch is None:
             return ModelRunnerOutput.empty()
-        sampled: list[list[int]] = [[] for _ in batch.req_ids]
+        sampled: list[list[int]] | None = None
         row_logprobs: list[LogprobsLists | None] | None = None
         if step.done is not None:
             step.done.synchronize()  # the step's one wait for the device
@@ -341,6 +341,7 @@ class ModelRunner:
             if len(rows) == batch.num_reqs:  # every row sampled (rows are 0..n-1 in order): decode steps
                 sampled = [[t] for t in token_ids]
             else:
+                sampled = [[] for _ in batch.req_ids]
                 for row, t in zip(rows.tolist(), token_ids):
                     sampled[row] = [t]
             st = self.state
@@ -353,7 +354,7 @@ class ModelRunner:
                 row_logprobs = self._split_logprobs(batch, step.logprob_counts, step.host_logprobs)
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
-            sampled_token_ids=sampled,
+            sampled_token_ids=sampled if sampled is not None else [[] for _ in batch.req_ids],
             logprobs=row_logprobs,
             prompt_logprobs={req_id: lp.to_lists() for req_id, lp in step.prompt_logprobs.items()},
             routed_experts=self._routed_expert_lists(step),
@@ -489,13 +490,11 @@ class ModelRunner:
         seeded_rows = np.flatnonzero(st.seeded[slots])
         generators = SeededKeys(seeded_rows, mix_seeds(st.seed[slots[seeded_rows]],
                                                        (ends - st.num_prompt_tokens[slots])[seeded_rows]))
-        presence = column("presence_penalty", 0.0)
-        frequency = column("frequency_penalty", 0.0)
-        repetition = column("repetition_penalty", 1.0)
-        use_penalties = presence is not None or frequency is not None or repetition is not None
-        if use_penalties:  # all three columns, the neutral ones included
-            presence, frequency, repetition = (self._h2d(torch.from_numpy(st.column(name)[slots])) for name in
-                                               ("presence_penalty", "frequency_penalty", "repetition_penalty"))
+        penalties = [st.column(name)[slots] for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")]
+        use_penalties = bool((penalties[0] != 0).any() or (penalties[1] != 0).any() or (penalties[2] != 1).any())
+        # All three columns when any is in use, the neutral ones included.
+        presence, frequency, repetition = ([self._h2d(torch.from_numpy(col)) for col in penalties] if use_penalties
+                                           else (None, None, None))
         need_outputs = use_penalties or any(sp.bad_words_token_ids for sp in params.values())
         output_token_ids = (
             [st.token_ids[s, st.num_prompt_tokens[s] : e].tolist() for s, e in zip(slots.tolist(), ends.tolist())]
