@@ -6,12 +6,15 @@ is always computed). Hit rate = prefix-cache hit tokens / those shareable tokens
 
 Issue 30's short-answer step shape (64 prompts x 16 samples, 512-token prompts, 32 new tokens):
 
-    python benchmarks/grpo_rollout.py --max-tokens 32 --repeats 3 --floor --busy
+    python benchmarks/grpo_rollout.py --max-tokens 32 --repeats 3 --floor --busy [--max-num-batched-tokens 16384]
 
 --repeats times the rollout that many times (prefix cache reset before each; median reported);
 --floor adds the schedule's floor (gpu_common.StepFloor over the steps of the last timed rollout);
 --busy runs one more rollout under the profiler for the share of its wall time the GPU was busy
-(the host's share is the rest: scheduling, input preparation, sampling bookkeeping, output handling).
+(the host's share is the rest: scheduling, input preparation, sampling bookkeeping, output handling), and
+that busy time over the unprofiled rollout's wall time (the profiler slows the host, not the device).
+Steps that prefill beside decode rows run eagerly (no CUDA graph) and cost the host a Python launch per
+kernel, so the token budget sets how many such steps there are: --max-num-batched-tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the step's token budget (default: the engine's, 2048); vLLM's default for its LLM class on "
+                        "H100/H200-class GPUs is 16384, which run_gpu.sh's rl part passes")
     p.add_argument("--repeats", type=int, default=1, help="timed rollouts (median reported)")
     p.add_argument("--floor", action="store_true", help="GPU: the floor of the schedule the engine ran (StepFloor)")
     p.add_argument("--busy", action="store_true", help="GPU: one more rollout under the profiler, GPU busy share")
@@ -56,7 +62,8 @@ def main() -> None:
         from gpu_common import copy_bandwidth_bytes_per_s, matmul_flops_per_s
 
         rates = copy_bandwidth_bytes_per_s(), matmul_flops_per_s()
-    llm = LLM(path, max_num_seqs=args.max_num_seqs, max_model_len=args.prompt_len + args.max_tokens)
+    llm = LLM(path, max_num_seqs=args.max_num_seqs, max_model_len=args.prompt_len + args.max_tokens,
+              max_num_batched_tokens=args.max_num_batched_tokens)
     vocab = llm.engine_core.executor.worker.hf_config.vocab_size
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(args.prompt_len)]}
@@ -86,6 +93,8 @@ def main() -> None:
     stats = llm.engine_core.scheduler.make_stats()
     result = dict(benchmark="grpo_rollout", shape=args.shape, num_prompts=args.num_prompts, n=args.n,
                   prompt_len=args.prompt_len, max_tokens=args.max_tokens, temperature=args.temperature,
+                  max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=llm.engine_core.scheduler.max_num_batched_tokens,
                   gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                   elapsed_s=elapsed, output_tokens=num_out, output_tok_per_s=num_out / elapsed,
                   prefix_hit_tokens=hits, shareable_prompt_tokens=shareable, hit_rate_of_shareable=hits / shareable,
@@ -107,8 +116,12 @@ def main() -> None:
 
         llm.reset_prefix_cache()
         result["busy"] = b = device_busy(lambda: llm.generate(prompts, params, use_tqdm=False))
+        # The profiler slows the host, not the device: the device's busy seconds over the unprofiled rollout's
+        # wall time is the share of the timed rollout the device worked.
+        b["busy_share_of_unprofiled"] = b["busy_s"] / elapsed
         print(f"under the profiler: wall {1e3 * b['wall_s']:.1f} ms, GPU busy {1e3 * b['busy_s']:.1f} ms "
-              f"({b['busy_share']:.0%}; the host's share the rest)")
+              f"({b['busy_share']:.0%}; the host's share the rest); busy over the unprofiled rollout's "
+              f"{1e3 * elapsed:.1f} ms: {b['busy_share_of_unprofiled']:.0%}")
     write_json(args.json_out, result)
 
 
