@@ -54,6 +54,10 @@ class KVCacheManager:
         self.num_hits = 0  # of which found in the cache
         self.total_prefix_cache_queries = 0  # the same two counts since start, never reset
         self.total_prefix_cache_hits = 0
+        # The chain last hashed for a request from its first block: (extra key, its tokens, their block hashes).
+        # The n samples of one prompt arrive one after another with the same tokens, so each after the first
+        # copies the hashes of the blocks whose tokens equal these instead of hashing them again.
+        self._last_chain: tuple[int | None, list[int], list[int]] = (None, [], [])
 
     @property
     def usage(self) -> float:
@@ -191,5 +195,28 @@ class KVCacheManager:
         token_ids: Sequence[int] = request.all_token_ids
         bs = self.block_size
         extra_key = request.lora_cache_key
-        for i in range(len(hashes), num_tokens // bs):
+        num_blocks = num_tokens // bs
+        first_hash = not hashes
+        if first_hash and num_blocks:
+            hashes += self._copied_chain(token_ids, num_blocks, extra_key)
+        num_copied = len(hashes) if first_hash else num_blocks
+        for i in range(len(hashes), num_blocks):
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs], extra_key))
+        if num_copied < num_blocks:  # hashed a chain of its own from the first block: the next samples match it
+            self._last_chain = (extra_key, token_ids[: num_blocks * bs], hashes[:num_blocks])
+
+    def _copied_chain(self, token_ids: Sequence[int], num_blocks: int, extra_key: int | None) -> list[int]:
+        """The hashes of the leading blocks (at most num_blocks) whose tokens equal the last chain's: a
+        block's hash is a function of its tokens, the tokens before it and the extra key alone."""
+        last_key, last_tokens, last_hashes = self._last_chain
+        if last_key != extra_key:
+            return []
+        bs = self.block_size
+        num_blocks = min(num_blocks, len(last_hashes))
+        if token_ids[: num_blocks * bs] == last_tokens[: num_blocks * bs]:  # the n samples of one prompt
+            return last_hashes[:num_blocks]
+        num_equal = 0
+        while num_equal < num_blocks and (token_ids[num_equal * bs : (num_equal + 1) * bs]
+                                          == last_tokens[num_equal * bs : (num_equal + 1) * bs]):
+            num_equal += 1
+        return last_hashes[:num_equal]

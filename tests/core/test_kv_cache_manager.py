@@ -1,5 +1,6 @@
 """Unit tests of the KV cache manager: prefix hits, allocation, eviction order, ref counts, stats."""
 
+from engine.core.block_pool import hash_block_tokens
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
 from engine.sampling_params import SamplingParams
@@ -30,6 +31,36 @@ def test_same_tokens_same_chain_and_shared_prefix_hits():
     assert num_hit == 8
     assert hit_blocks.get_block_ids() == kv.get_block_ids("a")[:2]
     assert b.block_hashes[:2] == a.block_hashes[:2] and b.block_hashes[2] != a.block_hashes[2]
+
+
+def chain(token_ids, extra_key=None):
+    """The block hashes of token_ids, hashed from scratch."""
+    hashes = []
+    for i in range(len(token_ids) // BS):
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * BS : (i + 1) * BS], extra_key))
+    return hashes
+
+
+def test_block_hashes_copied_from_the_last_chain_equal_hashing_them():
+    """Requests with the same leading tokens (the n samples of a prompt) copy the last chain's hashes of those
+    blocks; every request's chain equals its tokens hashed from scratch, whatever came before it."""
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    base = list(range(14))
+    cases = [
+        (base, None), (list(base), None),  # the same prompt again: every block copied
+        (base[:9], None),  # shorter: 2 blocks
+        (base + [70, 71, 72, 73, 74, 75], None),  # longer: 3 copied, 2 hashed
+        (base[:8] + [50, 51, 52, 53], None),  # shares 2 blocks
+        ([99] + base[1:], None),  # differs in the first block
+        (base, 7), (base, 7), (base, 8),  # another extra key (adapter): nothing shared across keys
+        (base[:3], None),  # no full block
+        (base, None),
+    ]
+    for i, (token_ids, key) in enumerate(cases):
+        request = make_request(str(i), token_ids)
+        request.lora_cache_key = key
+        kv.get_computed_blocks(request)
+        assert request.block_hashes == chain(token_ids, key), (i, token_ids, key)
 
 
 def test_change_in_first_block_misses_everything():
