@@ -31,7 +31,8 @@ class ParentRequest:
         self.unfinished_indices = set(range(self.n))
         # Latest CompletionOutput of each child (CUMULATIVE / FINAL_ONLY gather these).
         self.latest: list[CompletionOutput | None] = [None] * self.n
-        # Registered by OutputProcessor.add_request; child 0 carries the prompt logprobs.
+        # Registered by OutputProcessor.add_request; child 0 carries the prompt logprobs. Each state refers
+        # back to this parent: done() empties it, so that the pair is freed without the garbage collector.
         self.child_states: dict[int, RequestState] = {}
 
     def child_request_id(self, index: int) -> str:
@@ -76,6 +77,10 @@ class ParentRequest:
     @property
     def finished(self) -> bool:
         return not self.unfinished_indices
+
+    def done(self) -> None:
+        """Forgets the children's states once the OutputProcessor has forgotten the parent."""
+        self.child_states = {}
 
 
 @dataclass
@@ -415,6 +420,9 @@ class OutputProcessor:
                     state.parent.unfinished_indices.discard(state.index)
                     if state.parent.finished:
                         self.parent_requests.pop(state.parent.request_id, None)
+                        state.parent.done()
+            if parent is not None:
+                parent.done()
         return removed
 
     def has_unfinished_requests(self) -> bool:
@@ -503,7 +511,7 @@ class OutputProcessor:
             outputs = [c if c is not None else self._empty_completion(parent, i) for i, c in enumerate(parent.latest)]
 
         first = parent.child_states[0]
-        return RequestOutput(
+        output = RequestOutput(
             request_id=parent.request_id,
             prompt=first.prompt,
             prompt_token_ids=first.prompt_token_ids,
@@ -513,6 +521,9 @@ class OutputProcessor:
             num_cached_tokens=max(c.num_cached_tokens for c in parent.child_states.values()),
             lora_request=first.lora_request,
         )
+        if finished:
+            parent.done()
+        return output
 
     @staticmethod
     def _empty_completion(parent: ParentRequest, index: int) -> CompletionOutput:

@@ -91,8 +91,12 @@ class LogprobsLists(msgspec.Struct, array_like=True, eq=False):
         )
 
 
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """What one step produced for one request."""
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one step produced for one request.
+
+    Untracked by the garbage collector (gc=False): a step makes one per running request, and nothing it
+    holds (ids, arrays, strings) can refer back to it, so it can never be part of a reference cycle.
+    """
 
     request_id: str
     new_token_ids: list[int]

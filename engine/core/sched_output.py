@@ -27,7 +27,8 @@ class CachedRequestData:
     """Requests the runner already holds: only what changed since their last step."""
 
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)  # blocks appended this step
+    # Blocks appended this step; None where none were (most decode steps), as vLLM's CachedRequestData has it.
+    new_block_ids: list[list[int] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:

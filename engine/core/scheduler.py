@@ -232,7 +232,7 @@ class Scheduler:
         token_budget = self.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
-        new_block_ids: dict[str, list[int]] = {}  # running requests: blocks appended this step
+        new_block_ids: dict[str, list[int] | None] = {}  # running requests: blocks appended this step (None: none)
         scheduled_new: list[Request] = []
         preempted_req_ids: set[str] = set()
 
@@ -266,7 +266,7 @@ class Scheduler:
             if blocks is None:  # this request itself was preempted; the next one is now at req_index
                 continue
             num_scheduled_tokens[request.request_id] = num_new
-            new_block_ids[request.request_id] = blocks.get_block_ids()
+            new_block_ids[request.request_id] = blocks.get_block_ids() or None
             num_drafts = request.num_computed_tokens + num_new - request.num_tokens  # the budget may cut drafts
             if drafts and num_drafts > 0:
                 spec_tokens[request.request_id] = drafts[:num_drafts]
@@ -471,7 +471,7 @@ class Scheduler:
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
-                    new_token_ids=list(new_token_ids),
+                    new_token_ids=new_token_ids,  # the runner's list of this row: made for this step only
                     new_logprobs=logprobs_rows[row] if logprobs_rows and new_token_ids else None,
                     new_prompt_logprobs=prompt_logprobs,
                     finish_reason=request.get_finish_reason() if stopped else None,

@@ -45,7 +45,7 @@ class FakeRunner:
         for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = self.reqs[req_id]
             assert state[2] == num_computed
-            state[1] += new_block_ids
+            state[1] += new_block_ids or []
         assert set(out.num_scheduled_tokens) == {n.req_id for n in out.scheduled_new_reqs} | set(cached.req_ids)
         for req_id, num in out.num_scheduled_tokens.items():  # every layer writes first...
             token_ids, block_ids, start = self.reqs[req_id]
@@ -150,6 +150,22 @@ def test_schedule_before_outputs_arrive_gives_the_coming_sample_a_row():
     assert second.num_scheduled_tokens == {"a": 1, "b": 6}
     assert second.scheduled_cached_reqs.num_computed_tokens == [4, 4]
     assert sched.requests["a"].num_output_placeholders == 2 and sched.requests["b"].num_output_placeholders == 1
+
+
+def test_running_rows_list_new_block_ids_only_where_blocks_were_appended():
+    """As vLLM's CachedRequestData: a row that took no new block has None (most decode steps)."""
+    sched = make_scheduler()
+    runner = FakeRunner()
+    sched.add_request(make_request("a", list(range(6)), max_tokens=8))  # 6 tokens: 2 blocks of 4
+    out = sched.schedule()
+    sched.update_from_output(out, runner.execute(out))
+    new_block_ids = []
+    for _ in range(3):  # positions 6, 7 fit the blocks it holds; position 8 starts a third block
+        out = sched.schedule()
+        new_block_ids += out.scheduled_cached_reqs.new_block_ids
+        sched.update_from_output(out, runner.execute(out))
+    assert new_block_ids[:2] == [None, None] and len(new_block_ids[2]) == 1
+    assert new_block_ids[2] == sched.kv_cache_manager.get_block_ids("a")[2:]
 
 
 def test_max_num_seqs_respected():

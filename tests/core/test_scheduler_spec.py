@@ -38,7 +38,7 @@ class FakeSpecRunner:
         for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = self.reqs[req_id]
             assert num_computed <= len(state[0])  # rolled back to its known tokens at most
-            state[1] += new_block_ids
+            state[1] += new_block_ids or []
             state[2] = num_computed
         req_ids, sampled, drafts_out = [], [], []
         for req_id, num in out.num_scheduled_tokens.items():

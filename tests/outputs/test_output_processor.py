@@ -1,5 +1,8 @@
 """OutputProcessor fed hand-made EngineCoreOutputs: logprobs, prompt logprobs, finish reasons, n > 1."""
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -275,6 +278,34 @@ def test_aborting_a_parent_or_its_children_one_by_one_forgets_everything(tokeniz
     assert proc.abort_requests(["1_p"]) == ["1_p"] and "p" in proc.parent_requests
     assert proc.abort_requests(["2_p"]) == ["2_p"] and proc.parent_requests == {}
     assert not proc.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("how", ["finished", "aborted", "children aborted"])
+def test_a_done_parent_and_its_children_are_freed_without_the_garbage_collector(tokenizer, how):
+    """No reference cycle is left between a parent and its children's states once the parent is done, so
+    reference counting frees them (with the collector off) instead of a later full collection."""
+    proc = OutputProcessor(tokenizer)
+    parent = add_parent(proc, RequestOutputKind.FINAL_ONLY)
+    refs = [weakref.ref(parent)] + [weakref.ref(state) for state in parent.child_states.values()]
+    del parent
+    gc.disable()
+    try:
+        if how == "finished":
+            proc.process_outputs([EngineCoreOutput("0_req", [70], finish_reason=FinishReason.LENGTH)])
+            proc.process_outputs([EngineCoreOutput("1_req", [71], finish_reason=FinishReason.STOP)])
+        elif how == "aborted":
+            assert sorted(proc.abort_requests(["req"])) == ["0_req", "1_req"]
+        else:
+            assert proc.abort_requests(["0_req"]) == ["0_req"] and proc.abort_requests(["1_req"]) == ["1_req"]
+        assert not proc.has_unfinished_requests() and proc.parent_requests == {}
+        assert [ref() for ref in refs] == [None, None, None]
+    finally:
+        gc.enable()
+
+
+def test_engine_core_outputs_are_not_tracked_by_the_garbage_collector():
+    """A step makes one per running request: none of them adds to the collector's young generation."""
+    assert not gc.is_tracked(EngineCoreOutput("r", [1, 2], new_logprobs=lp_rows([(1, -0.5, 1, [])])))
 
 
 def test_duplicate_request_id_rejected(tokenizer):
