@@ -116,8 +116,11 @@ class KVCacheManager:
         num_slots = num_tokens + num_lookahead_tokens
         if new_computed_blocks is None and req_blocks is not None and len(req_blocks) * self.block_size >= num_slots:
             # The common decode step: its tokens fit in the blocks it holds, so nothing is taken
-            # (the general path below would take zero blocks and return an empty result too).
-            self._cache_full_blocks(request, req_blocks, num_tokens)
+            # (the general path below would take zero blocks and return an empty result too). A block
+            # to register is rare (one step in block_size): _cache_full_blocks' cheapest test first.
+            num_full_blocks = min(num_tokens, len(request.all_token_ids)) // self.block_size
+            if self.enable_caching and num_full_blocks > self.num_cached_blocks.get(request.request_id, 0):
+                self._cache_full_blocks(request, req_blocks, num_tokens)
             return _NO_BLOCKS
         num_new_blocks = self._num_blocks_needed(request, num_new_tokens + num_lookahead_tokens, new_computed_blocks,
                                                  num_new_computed_tokens)
@@ -140,7 +143,7 @@ class KVCacheManager:
         if not self.enable_caching or request.request_id in self.uncacheable_req_ids:
             return
         num_cached = self.num_cached_blocks.get(request.request_id, 0)
-        num_full_blocks = min(num_tokens, request.num_tokens) // self.block_size
+        num_full_blocks = min(num_tokens, len(request.all_token_ids)) // self.block_size
         if num_full_blocks > num_cached:
             self._update_block_hashes(request, num_full_blocks * self.block_size)
             self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full_blocks)

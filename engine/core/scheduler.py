@@ -233,29 +233,38 @@ class Scheduler:
         num_scheduled_tokens: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
         new_block_ids: dict[str, list[int] | None] = {}  # running requests: blocks appended this step (None: none)
+        scheduled_running: list[Request] = []  # in the order of num_scheduled_tokens, which lists them first
         scheduled_new: list[Request] = []
         preempted_req_ids: set[str] = set()
 
         # 1. Running requests, in order. When blocks run out, preempt the policy's victim.
+        # (A loop over every running request each step: attributes are read once into locals.)
+        running = self.running  # changed in place below (preemption), never rebound during schedule()
+        max_model_len = self.max_model_len
+        allocate_slots = kv.allocate_slots
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
-            request = self.running[req_index]
+        while req_index < len(running) and token_budget > 0:
+            request = running[req_index]
             drafts = request.spec_token_ids and self._schedulable_drafts(request)  # [] without speculation
+            num_computed = request.num_computed_tokens
+            num_placeholders = request.num_output_placeholders
             num_new = min(
-                request.num_tokens_with_placeholders + len(drafts) - request.num_computed_tokens,
+                len(request.all_token_ids) + num_placeholders + len(drafts) - num_computed,
                 token_budget,
-                self.max_model_len - request.num_computed_tokens,
+                max_model_len - num_computed,
             )
-            if num_new <= 0 or self._ends_in_flight(request):  # nothing to compute before its samples come back
-                req_index += 1
+            if num_new <= 0 or (num_placeholders and self._ends_in_flight(request)):
+                req_index += 1  # nothing to compute before its samples come back
                 continue
-            lookahead = self._lookahead(request.num_computed_tokens + num_new) if self.num_lookahead_tokens else 0
-            while (blocks := kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)) is None:
-                victim = self.waiting.preemption_victim(self.running)
-                victim_index = self.running.index(victim)
-                del self.running[victim_index]
+            lookahead = self._lookahead(num_computed + num_new) if self.num_lookahead_tokens else 0
+            while (blocks := allocate_slots(request, num_new, None, 0, lookahead)) is None:
+                victim = self.waiting.preemption_victim(running)
+                victim_index = running.index(victim)
+                del running[victim_index]
                 if victim_index < req_index:  # already visited this step: undo its share
                     req_index -= 1
+                    if victim.request_id in num_scheduled_tokens:
+                        scheduled_running.remove(victim)
                     token_budget += num_scheduled_tokens.pop(victim.request_id, 0)
                     new_block_ids.pop(victim.request_id, None)
                     spec_tokens.pop(victim.request_id, None)
@@ -265,11 +274,14 @@ class Scheduler:
                     break
             if blocks is None:  # this request itself was preempted; the next one is now at req_index
                 continue
-            num_scheduled_tokens[request.request_id] = num_new
-            new_block_ids[request.request_id] = blocks.get_block_ids() or None
-            num_drafts = request.num_computed_tokens + num_new - request.num_tokens  # the budget may cut drafts
-            if drafts and num_drafts > 0:
-                spec_tokens[request.request_id] = drafts[:num_drafts]
+            req_id = request.request_id
+            scheduled_running.append(request)
+            num_scheduled_tokens[req_id] = num_new
+            new_block_ids[req_id] = blocks.get_block_ids() or None
+            if drafts:
+                num_drafts = num_computed + num_new - len(request.all_token_ids)  # the budget may cut drafts
+                if num_drafts > 0:
+                    spec_tokens[req_id] = drafts[:num_drafts]
             token_budget -= num_new
             req_index += 1
 
@@ -320,17 +332,15 @@ class Scheduler:
             )
             for r in scheduled_new
         ]
-        requests = self.requests
         cached_reqs_data = CachedRequestData(
             req_ids=list(new_block_ids),
             new_block_ids=list(new_block_ids.values()),
-            num_computed_tokens=[requests[req_id].num_computed_tokens for req_id in new_block_ids],
+            num_computed_tokens=[r.num_computed_tokens for r in scheduled_running],
         )
         work = self.step_work_since_stats
         # Decode rows (one token that samples) are counted together: they differ only in where they start.
         num_decode_rows = decode_kv_context_sum = 0
-        for req_id, num_new in num_scheduled_tokens.items():
-            request = requests[req_id]
+        for request, num_new in zip(scheduled_running + scheduled_new, num_scheduled_tokens.values()):
             start = request.num_computed_tokens
             request.num_computed_tokens = end = start + num_new
             # A row samples when it reaches the request's last token; a mid-prompt chunk does not.
@@ -375,12 +385,12 @@ class Scheduler:
 
     def _ends_in_flight(self, request: Request) -> bool:
         """Whether the tokens already being sampled for it reach max_tokens or max_model_len."""
-        if not request.num_output_placeholders:
+        num_placeholders = request.num_output_placeholders
+        if not num_placeholders:
             return False
         max_tokens = request.max_tokens
-        num_outputs = request.num_output_tokens + request.num_output_placeholders
-        return (max_tokens is not None and num_outputs >= max_tokens) or (
-            request.num_tokens_with_placeholders >= self.max_model_len
+        return (max_tokens is not None and len(request.output_token_ids) + num_placeholders >= max_tokens) or (
+            len(request.all_token_ids) + num_placeholders >= self.max_model_len
         )
 
     def _preempt(self, request: Request) -> None:
@@ -437,17 +447,19 @@ class Scheduler:
         all_routed = model_runner_output.routed_experts
         all_spec = model_runner_output.spec_token_ids
         scheduled_spec = scheduler_output.scheduled_spec_decode_tokens
+        # A loop over every row of the step: what it reads for each row is bound to locals first.
+        requests, all_sampled, running = self.requests, model_runner_output.sampled_token_ids, RequestStatus.RUNNING
+        check_stop = self._check_stop
         for row, req_id in enumerate(model_runner_output.req_ids):
-            request = self.requests.get(req_id)
+            request = requests.get(req_id)
             # Finished, aborted or preempted since the step was scheduled: drop its results
             # (a preempted request recomputes and samples again).
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None or request.status != running:
                 continue
-            new_token_ids = model_runner_output.sampled_token_ids[row]
+            new_token_ids = all_sampled[row]
             if new_token_ids:
                 request.num_output_placeholders -= 1
-                drafts = scheduled_spec.get(req_id) if scheduled_spec else None
-                if drafts:
+                if scheduled_spec and (drafts := scheduled_spec.get(req_id)):
                     # The first len(new) - 1 drafts were accepted; the KV of the rest is recomputed later.
                     num_accepted = len(new_token_ids) - 1
                     request.num_computed_tokens -= len(drafts) - num_accepted
@@ -463,8 +475,9 @@ class Scheduler:
             # The request is RUNNING here, so only _check_stop can finish it.
             stopped = False
             for i, token_id in enumerate(new_token_ids):
-                request.append_output_token_id(token_id)
-                if self._check_stop(request):
+                request.output_token_ids.append(token_id)  # Request.append_output_token_id, inlined
+                request.all_token_ids.append(token_id)
+                if check_stop(request):
                     new_token_ids = new_token_ids[: i + 1]  # tokens after a stop are dropped
                     stopped = True
                     break
@@ -486,7 +499,7 @@ class Scheduler:
             if stopped:
                 finished_ids.add(req_id)
                 self.kv_cache_manager.free(request)
-                del self.requests[req_id]
+                del requests[req_id]
         if finished_ids:
             self.running = [r for r in self.running if r.request_id not in finished_ids]
             self.finished_req_ids |= finished_ids
@@ -496,8 +509,9 @@ class Scheduler:
     def _check_stop(self, request: Request) -> bool:
         """Sets the finished status if the last appended token ends the request."""
         params = request.sampling_params
-        last_token_id = request.output_token_ids[-1]
-        num_output_tokens = len(request.output_token_ids)
+        output_token_ids = request.output_token_ids
+        last_token_id = output_token_ids[-1]
+        num_output_tokens = len(output_token_ids)
         if num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and last_token_id == request.eos_token_id:
                 request.status = RequestStatus.FINISHED_STOPPED
