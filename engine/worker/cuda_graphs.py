@@ -167,9 +167,10 @@ class CudaGraphRunner:
             return None
         return self.buckets[int(np.searchsorted(self.buckets, num_reqs))], q
 
-    def replay(self, key: tuple[int, int], batch: InputBatch, fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+    def replay(self, key: tuple[int, int], batch: InputBatch,
+               fill: tuple[torch.Tensor | slice, torch.Tensor] | None = None,
                lora_slots: np.ndarray | None = None) -> torch.Tensor:  # [num_tokens, hidden]
-        """fill: (token indices, ids) written into the input ids on the device before the replay;
+        """fill: (token indices or a slice of them, ids) written into the input ids on the device before the replay;
         lora_slots: [num_tokens] each token's adapter slot (-1: none; None: no token has an adapter),
         for graphs captured with LoRA."""
         size, q = key

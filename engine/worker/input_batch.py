@@ -45,17 +45,21 @@ class InputBatch:
 
 def make_input_batch(state: RequestState, sched: SchedulerOutput, block_size: int) -> InputBatch:
     req_ids = list(sched.num_scheduled_tokens)
-    slots = np.fromiter((state.req_id_to_slot[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-    num_sched = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+    num_reqs = len(req_ids)
+    slots = np.fromiter(map(state.req_id_to_slot.__getitem__, req_ids), dtype=np.int64, count=num_reqs)
+    num_sched = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
     starts = state.num_computed_tokens[slots]  # [B]
 
-    query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int32)
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
     np.cumsum(num_sched, out=query_start_loc[1:])
     total = int(query_start_loc[-1])
 
-    row_of_token = np.repeat(np.arange(len(req_ids)), num_sched)  # [T]
-    positions = np.arange(total) - query_start_loc[row_of_token] + starts[row_of_token]
-    token_slots = slots[row_of_token]
+    if total == num_reqs:  # one token per row (decode steps): token i is row i's, at the row's start
+        positions, token_slots = starts, slots
+    else:
+        row_of_token = np.repeat(np.arange(num_reqs), num_sched)  # [T]
+        positions = np.arange(total) - query_start_loc[row_of_token] + starts[row_of_token]
+        token_slots = slots[row_of_token]
     input_ids = state.token_ids[token_slots, positions]
     block_ids = state.block_table[token_slots, positions // block_size].astype(np.int64)
     slot_mapping = block_ids * block_size + positions % block_size

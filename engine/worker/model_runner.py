@@ -154,10 +154,11 @@ class ModelRunner:
         graphs.capture()
         self.cuda_graphs = graphs
 
-    def _forward(self, batch: InputBatch, fill: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:  # [T, hidden]
+    def _forward(self, batch: InputBatch,
+                 fill: tuple[torch.Tensor | slice, torch.Tensor] | None) -> torch.Tensor:  # [T, hidden]
         """One forward pass: a graph replay for decode steps that fit a bucket, else eager.
 
-        fill: (token indices, ids) written into the input ids on the device (placeholders).
+        fill: (token indices or a slice of them, ids) written into the input ids on the device (placeholders).
         """
         graphs = self.cuda_graphs
         if graphs is not None and not self._capturing_routing:  # a graph replay captures nothing
@@ -211,14 +212,22 @@ class ModelRunner:
         requests = {int(i): self.state.lora_requests[s] for i, s in zip(row_ids, batch.slots.tolist()) if i}
         return self.lora_manager.activate(np.repeat(row_ids, batch.num_scheduled_tokens), requests)  # [T] ids
 
-    def _placeholder_fill(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """For input tokens still PLACEHOLDER: their indices and, gathered on the device, the ids
-        the step in flight sampled for them (a decode row's token is the previous step's sample)."""
+    def _placeholder_fill(self, batch: InputBatch) -> tuple[torch.Tensor | slice, torch.Tensor] | None:
+        """For input tokens still PLACEHOLDER: their indices (a slice when they are all the tokens, in the order
+        the step in flight sampled them) and, gathered on the device, the ids the step in flight sampled for
+        them (a decode row's token is the previous step's sample)."""
         tokens = np.nonzero(batch.input_ids == PLACEHOLDER)[0]
         if not len(tokens):
             return None
         prev = self._in_flight
         assert prev is not None and prev.sampled is not None, "placeholder input tokens without a step in flight"
+        if len(tokens) == batch.num_tokens == len(prev.sample_slots) and np.array_equal(batch.slots, prev.sample_slots):
+            # Steady decoding: every row's one input is what it sampled last step, in the same row order, so
+            # the step in flight's sampled ids are the input ids as they are (no index to copy or gather by).
+            assert (prev.sample_positions == batch.positions).all(), (
+                "a placeholder input token that the step in flight does not sample"
+            )
+            return slice(0, batch.num_tokens), prev.sampled
         rows = np.searchsorted(batch.query_start_loc, tokens, side="right") - 1
         index_of_slot = np.full(self.state.max_num_reqs, -1, dtype=np.int64)
         index_of_slot[prev.sample_slots] = np.arange(len(prev.sample_slots))
@@ -241,13 +250,13 @@ class ModelRunner:
             self.state.add_request(new)
             self.eos_token_ids[new.req_id] = new.eos_token_id
         cached = sched.scheduled_cached_reqs
-        for req_id, new_block_ids, num_computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
-        ):
-            slot = self.state.req_id_to_slot[req_id]
-            self.state.num_computed_tokens[slot] = num_computed
-            if new_block_ids:
-                self.state.append_block_ids(slot, new_block_ids)
+        if cached.req_ids:
+            slots = np.fromiter(map(self.state.req_id_to_slot.__getitem__, cached.req_ids), dtype=np.int64,
+                                count=len(cached.req_ids))
+            self.state.num_computed_tokens[slots] = cached.num_computed_tokens
+            for slot, new_block_ids in zip(slots.tolist(), cached.new_block_ids):
+                if new_block_ids:  # None for most rows of a decode step
+                    self.state.append_block_ids(slot, new_block_ids)
         # Drafts sit after the last known token, as this step's inputs; num_tokens stays until verified.
         for req_id, drafts in sched.scheduled_spec_decode_tokens.items():
             slot = self.state.req_id_to_slot[req_id]
@@ -488,8 +497,9 @@ class ModelRunner:
 
         # Seeded sampling rows' noise keys, all at once (random_sampling.SeededKeys).
         seeded_rows = np.flatnonzero(st.seeded[slots])
-        generators = SeededKeys(seeded_rows, mix_seeds(st.seed[slots[seeded_rows]],
-                                                       (ends - st.num_prompt_tokens[slots])[seeded_rows]))
+        seeded_keys = (mix_seeds(st.seed[slots[seeded_rows]], num_outputs[seeded_rows]) if len(seeded_rows)
+                       else seeded_rows)  # none seeded: empty
+        generators = SeededKeys(seeded_rows, seeded_keys)
         penalties = [st.column(name)[slots] for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")]
         use_penalties = bool((penalties[0] != 0).any() or (penalties[1] != 0).any() or (penalties[2] != 1).any())
         # All three columns when any is in use, the neutral ones included.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.core.request import Request
@@ -105,6 +106,33 @@ def test_async_outputs_equal_sync_outputs(tiny_checkpoint, num_blocks, with_hist
         assert core.scheduler.num_preemptions > 0
     assert not core.has_unfinished_requests() and core._in_flight is None
     core.shutdown()
+
+
+def test_steady_decoding_feeds_the_samples_in_flight_whole_and_equals_sync(tiny_checkpoint):
+    """Decode steps whose rows are the step in flight's, in its order, take its sampled ids as their input ids
+    whole (a slice, no gather); rows that leave or join in between take the gathered path. Outputs (tokens and
+    logprobs of seeded and unseeded sampling, n > 1) equal synchronous scheduling's."""
+    path = tiny_checkpoint("llama")
+    prompts = [{"prompt_token_ids": [5 + i, 9, 11 + 2 * i, 4]} for i in range(5)]
+    params = [SamplingParams(temperature=1.0, seed=i, n=2, max_tokens=6 + 3 * (i % 2), ignore_eos=True, logprobs=1)
+              for i in range(5)]
+    sync_llm = make_llm(path, False, max_num_seqs=8)  # 10 rows, 8 at a time: rows join when the first leave
+    expected = flatten(sync_llm.generate(prompts, params, use_tqdm=False))
+    sync_llm.engine_core.shutdown()
+
+    async_llm = make_llm(path, True, max_num_seqs=8)
+    runner = async_llm.engine_core.executor.worker.model_runner
+    fills = []
+    forward = runner._forward
+
+    def recording_forward(batch, fill):
+        fills.append(None if fill is None else type(fill[0]))
+        return forward(batch, fill)
+
+    runner._forward = recording_forward
+    assert flatten(async_llm.generate(prompts, params, use_tqdm=False)) == expected
+    assert slice in fills and torch.Tensor in fills  # both ways of filling the inputs ran
+    async_llm.engine_core.shutdown()
 
 
 def test_a_utility_call_sees_no_step_in_flight(tiny_checkpoint):
