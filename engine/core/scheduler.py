@@ -473,14 +473,18 @@ class Scheduler:
             if not new_token_ids and prompt_logprobs is None:
                 continue  # mid-prompt chunk: nothing to report
             # The request is RUNNING here, so only _check_stop can finish it.
-            stopped = False
-            for i, token_id in enumerate(new_token_ids):
-                request.output_token_ids.append(token_id)  # Request.append_output_token_id, inlined
-                request.all_token_ids.append(token_id)
-                if check_stop(request):
-                    new_token_ids = new_token_ids[: i + 1]  # tokens after a stop are dropped
-                    stopped = True
-                    break
+            if len(new_token_ids) == 1:  # the usual row: Request.append_output_token_id, inlined
+                request.output_token_ids.append(new_token_ids[0])
+                request.all_token_ids.append(new_token_ids[0])
+                stopped = check_stop(request)
+            else:
+                stopped = False
+                for i, token_id in enumerate(new_token_ids):
+                    request.append_output_token_id(token_id)
+                    if check_stop(request):
+                        new_token_ids = new_token_ids[: i + 1]  # tokens after a stop are dropped
+                        stopped = True
+                        break
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,

@@ -16,7 +16,6 @@ from engine.kernels import triton_enabled
 from engine.lora.manager import LoRAManager
 from engine.lora.ops import LoRAMapping, make_lora_mapping
 from engine.sample import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
-from engine.sample.random_sampling import SeededKeys, mix_seeds
 from engine.wire import LogprobsLists
 from engine.worker.cuda_graphs import CudaGraphRunner
 from engine.worker.input_batch import InputBatch, make_input_batch
@@ -24,6 +23,7 @@ from engine.worker.model_state import model_state_for
 from engine.worker.prefill_share import SharedPrefill, copy_kv_slots, fold_shared_rows
 from engine.worker.request_state import RequestState
 from engine.worker.runner_output import ModelRunnerOutput
+from engine.worker.sampling_inputs import SamplingInputs
 from engine.worker.spec_decode.proposer import Proposer, VerifiedStep
 from engine.worker.spec_decode.verify import accepted_tokens
 
@@ -112,6 +112,7 @@ class ModelRunner:
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
         self.eos_token_ids: dict[str, int | None] = {}
+        self.sampling_inputs = SamplingInputs(self.state, device, vocab_size, self.logprobs_mode, self.eos_token_ids)
         self.max_num_blocks_per_req = max_num_blocks_per_req
         # Decode CUDA graphs (GPU only); captured by capture_cuda_graphs() once the KV cache exists.
         self.cuda_graphs: CudaGraphRunner | None = None
@@ -475,93 +476,12 @@ class ModelRunner:
     # ---- sampling inputs ------------------------------------------------------------------
 
     def _sampling_metadata(self, batch: InputBatch, rows: np.ndarray, offsets: np.ndarray | None = None) -> SamplingMetadata:
-        """Sampling inputs for one sample per entry of rows (batch rows; a row may repeat).
+        """Sampling inputs for one sample per entry of rows (batch rows; a row may repeat); see SamplingInputs.
 
         offsets (speculative steps): entry i samples the token offsets[i] places after the row's
         known tokens, i.e. after its first offsets[i] drafts, which count as its output so far.
         """
-        st = self.state
-        slots = batch.slots[rows]  # [S]
-        # Per-row edits (min_tokens, allowed ids, bad words, logit bias) look at the SamplingParams of the
-        # rows that have any: none in the usual batch, so no per-row Python then.
-        edit_entries = np.flatnonzero(st.uses_row_params[slots]).tolist()
-        params = {i: st.sampling_params[int(slots[i])] for i in edit_entries}
-        temperature = st.column("temperature")[slots]  # [S] numpy
-        greedy = temperature == 0.0
-        ends = st.num_tokens[slots] if offsets is None else st.num_tokens[slots] + offsets  # [S] history ends
-        num_outputs = ends - st.num_prompt_tokens[slots]  # [S]
-
-        def column(name: str, off_value: float) -> torch.Tensor | None:
-            col = st.column(name)[slots]  # numpy: a small gather and test cost several times less than torch's
-            return self._h2d(torch.from_numpy(col)) if (col != off_value).any() else None
-
-        # Seeded sampling rows' noise keys, all at once (random_sampling.SeededKeys).
-        seeded_rows = np.flatnonzero(st.seeded[slots])
-        seeded_keys = (mix_seeds(st.seed[slots[seeded_rows]], num_outputs[seeded_rows]) if len(seeded_rows)
-                       else seeded_rows)  # none seeded: empty
-        generators = SeededKeys(seeded_rows, seeded_keys)
-        penalties = [st.column(name)[slots] for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")]
-        use_penalties = bool((penalties[0] != 0).any() or (penalties[1] != 0).any() or (penalties[2] != 1).any())
-        # All three columns when any is in use, the neutral ones included.
-        presence, frequency, repetition = ([self._h2d(torch.from_numpy(col)) for col in penalties] if use_penalties
-                                           else (None, None, None))
-        need_outputs = use_penalties or any(sp.bad_words_token_ids for sp in params.values())
-        output_token_ids = (
-            [st.token_ids[s, st.num_prompt_tokens[s] : e].tolist() for s, e in zip(slots.tolist(), ends.tolist())]
-            if need_outputs else []
-        )
-        prompt_token_ids = None
-        if use_penalties:
-            max_prompt = int(st.num_prompt_tokens[slots].max())
-            padded = np.full((len(slots), max_prompt), self.vocab_size, dtype=np.int64)
-            for i, s in enumerate(slots.tolist()):
-                prompt = st.prompt_ids(s)
-                padded[i, : len(prompt)] = prompt
-            prompt_token_ids = self._h2d(torch.from_numpy(padded))
-
-        min_tokens = {}
-        for i, sp in params.items():
-            if num_outputs[i] < sp.min_tokens:
-                stop_ids = sp.all_stop_token_ids
-                eos = self.eos_token_ids.get(batch.req_ids[rows[i]])
-                if eos is not None and not sp.ignore_eos:
-                    stop_ids = stop_ids | {eos}
-                min_tokens[i] = (sp.min_tokens, stop_ids)
-
-        allowed_mask = None
-        if any(sp.allowed_token_ids for sp in params.values()):
-            allowed_mask = torch.zeros(len(slots), self.vocab_size, dtype=torch.bool)
-            for i, sp in params.items():
-                if sp.allowed_token_ids:
-                    allowed_mask[i] = True
-                    allowed_mask[i, sp.allowed_token_ids] = False
-            allowed_mask = self._h2d(allowed_mask)
-
-        wanted = int(st.num_logprobs[slots].max()) if len(slots) else -1  # -1: no row asks for logprobs
-        top_k = column("top_k", 0)
-        return SamplingMetadata(
-            temperature=self._h2d(torch.from_numpy(temperature)),
-            all_greedy=bool(greedy.all()),
-            all_random=not bool(greedy.any()),
-            top_k=top_k,
-            top_p=column("top_p", 1.0),
-            min_p=column("min_p", 0.0),
-            generators=generators,
-            presence_penalties=presence,
-            frequency_penalties=frequency,
-            repetition_penalties=repetition,
-            prompt_token_ids=prompt_token_ids,
-            output_token_ids=output_token_ids,
-            min_tokens=min_tokens,
-            logit_bias={i: sp.logit_bias for i, sp in params.items() if sp.logit_bias},
-            bad_words_token_ids={
-                i: sp.bad_words_token_ids for i, sp in params.items() if sp.bad_words_token_ids
-            },
-            allowed_token_ids_mask=allowed_mask,
-            max_num_logprobs=wanted if wanted >= 0 else None,
-            logprobs_mode=self.logprobs_mode,
-            max_top_k=int(st.column("top_k")[slots].max()) if top_k is not None else None,
-        )
+        return self.sampling_inputs.metadata(batch.slots[rows], batch.req_ids, rows, offsets)
 
     @staticmethod
     def _split_logprobs(batch: InputBatch, counts: np.ndarray, lp: LogprobsTensors) -> list[LogprobsLists | None]:
@@ -583,6 +503,8 @@ class ModelRunner:
         to the host."""
         out: dict[str, LogprobsTensors] = {}
         st = self.state
+        if not st.wants_prompt_logprobs.any():  # no request in the runner asks for them (the usual step)
+            return out
         for row in np.flatnonzero(st.wants_prompt_logprobs[batch.slots]).tolist():
             slot = int(batch.slots[row])
             sp = st.sampling_params[slot]

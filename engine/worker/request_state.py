@@ -69,6 +69,9 @@ class RequestState:
         # was for still holds the slot (RequestState is updated between a step's launch and its collection).
         self.generation = np.zeros(max_num_reqs, dtype=np.int64)
         self.req_id_to_slot: dict[str, int] = {}
+        # Bumped whenever a request joins or leaves: what was derived from the slots' requests (their sampling
+        # parameters) still holds while it is unchanged.
+        self.version = 0
         self.slot_to_req_id: list[str | None] = [None] * max_num_reqs
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
 
@@ -80,6 +83,7 @@ class RequestState:
         if new.req_id in self.req_id_to_slot:
             raise ValueError(f"request {new.req_id!r} is already in the model runner")
         slot = self._free_slots.pop()
+        self.version += 1
         self.req_id_to_slot[new.req_id] = slot
         self.slot_to_req_id[slot] = new.req_id
         n = len(new.token_ids)
@@ -117,6 +121,7 @@ class RequestState:
         if slot is None:
             return
         self.slot_to_req_id[slot] = None
+        self.version += 1
         self.generation[slot] += 1
         self.sampling_params[slot] = None
         self.return_routed_experts[slot] = False
