@@ -58,8 +58,13 @@ class RepetitionDetectionParams(msgspec.Struct, frozen=True):
             raise ValueError(f"repetition_detection.min_count must be >= 2, got {self.min_count}")
 
 
-class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """Sampling and stopping parameters of one request (vLLM's names and meanings)."""
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, gc=False):
+    """Sampling and stopping parameters of one request (vLLM's names and meanings).
+
+    Untracked by the garbage collector (gc=False): every request holds one (each sample of an n > 1 request
+    its own) for its whole life, and nothing it holds (numbers, strings, id lists, a bias dict) can refer
+    back to it, so it can never be part of a reference cycle.
+    """
 
     n: int = 1
     presence_penalty: float = 0.0

@@ -50,8 +50,9 @@ class EngineStatus(enum.IntEnum):
 FAULT_TOLERANCE_INSTRUCTIONS = ("retry",)
 
 
-class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
-    """A tokenized request on its way into the engine core."""
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A tokenized request on its way into the engine core (untracked by the garbage collector: nothing it
+    holds can refer back to it)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -63,8 +64,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     lora_request: LoRARequest | None = None  # the adapter to run with (LLMEngine's enable_lora); None: the base model
 
 
-class LogprobsLists(msgspec.Struct, array_like=True, eq=False):
-    """Logprobs of several positions: per position the chosen token first, then the top-k.
+class LogprobsLists(msgspec.Struct, array_like=True, eq=False, gc=False):
+    """Logprobs of several positions: per position the chosen token first, then the top-k (one per row per
+    step; untracked by the garbage collector: its arrays cannot refer back to it).
 
     token_ids[i, 0] is the sampled (or prompt) token, token_ids[i, 1:] the top-k ids in
     descending order; logprobs matches token_ids; ranks[i] is the chosen token's rank

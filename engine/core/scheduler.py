@@ -406,7 +406,7 @@ class Scheduler:
         self.history_req_ids.discard(request.request_id)
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # an in-flight sample of it is dropped; it samples again
-        request.spec_token_ids = []
+        request.spec_token_ids = ()
         self.waiting.add_preempted(request)
 
     def recompute_running(self) -> list[str]:
@@ -581,7 +581,7 @@ def _collect_routed_experts(request: Request, start_pos: int, ids) -> None:
     runs positions again: their first routing, the one reported or waiting, is kept."""
     skip = request.num_routed_tokens - start_pos
     if skip < len(ids):
-        request.pending_routed_experts.append(ids[max(skip, 0):])
+        request.pending_routed_experts = [*request.pending_routed_experts, ids[max(skip, 0):]]
         request.num_routed_tokens = start_pos + len(ids)
 
 
@@ -590,5 +590,5 @@ def _take_routed_experts(request: Request):
     parts = request.pending_routed_experts
     if not parts:
         return None
-    request.pending_routed_experts = []
+    request.pending_routed_experts = ()
     return parts[0] if len(parts) == 1 else np.concatenate(parts)

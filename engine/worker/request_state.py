@@ -72,6 +72,10 @@ class RequestState:
         # Bumped whenever a request joins or leaves: what was derived from the slots' requests (their sampling
         # parameters) still holds while it is unchanged.
         self.version = 0
+        # The token ids last written from a list, with the slot and that slot's generation: the n samples of one
+        # prompt arrive one after another, and while that request holds its slot (same generation) the row's
+        # first len(ids) entries are still those ids (a request only ever writes past its known tokens).
+        self._last_written: tuple[list[int], int, int] | None = None
         self.slot_to_req_id: list[str | None] = [None] * max_num_reqs
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
 
@@ -87,7 +91,12 @@ class RequestState:
         self.req_id_to_slot[new.req_id] = slot
         self.slot_to_req_id[slot] = new.req_id
         n = len(new.token_ids)
-        self.token_ids[slot, :n] = new.token_ids
+        last = self._last_written
+        if last is not None and last[2] == self.generation[last[1]] and last[0] == new.token_ids:
+            self.token_ids[slot, :n] = self.token_ids[last[1], :n]  # a row copy instead of converting the list
+        else:
+            self.token_ids[slot, :n] = new.token_ids
+            self._last_written = (list(new.token_ids), slot, int(self.generation[slot]))
         self.num_tokens[slot] = n
         self.num_prompt_tokens[slot] = new.num_prompt_tokens
         self.num_computed_tokens[slot] = new.num_computed_tokens

@@ -303,9 +303,14 @@ def test_a_done_parent_and_its_children_are_freed_without_the_garbage_collector(
         gc.enable()
 
 
-def test_engine_core_outputs_are_not_tracked_by_the_garbage_collector():
-    """A step makes one per running request: none of them adds to the collector's young generation."""
-    assert not gc.is_tracked(EngineCoreOutput("r", [1, 2], new_logprobs=lp_rows([(1, -0.5, 1, [])])))
+def test_per_request_wire_structs_are_not_tracked_by_the_garbage_collector():
+    """A step makes an EngineCoreOutput (and a LogprobsLists) per running request, and every request holds its
+    SamplingParams for its whole life: none of them adds to the collector's generations."""
+    lists = lp_rows([(1, -0.5, 1, [])])
+    params = SamplingParams(n=2, seed=3, stop=["x"], logit_bias={4: 1.0}, bad_words_token_ids=[[5]])
+    assert not gc.is_tracked(EngineCoreOutput("r", [1, 2], new_logprobs=lists))
+    assert not gc.is_tracked(lists) and not gc.is_tracked(params) and not gc.is_tracked(params.clone(seed=4))
+    assert not gc.is_tracked(EngineCoreRequest("r", [1, 2], params, eos_token_id=0))
 
 
 def test_duplicate_request_id_rejected(tokenizer):
