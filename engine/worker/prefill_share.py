@@ -51,17 +51,22 @@ def fold_shared_rows(batch: InputBatch, state: RequestState, placeholder: int,
     if len(candidates) < 2:
         return None
     qsl = batch.query_start_loc
-    starts = batch.seq_lens.astype(np.int64) - num_sched  # tokens already computed per row
     rep_of = np.arange(batch.num_reqs)  # [B] each row's representative (itself when it runs)
+    # A row with a placeholder input (an id the step in flight samples) or excluded runs by itself.
+    alone = np.add.reduceat(batch.input_ids == placeholder, qsl[:-1].astype(np.int64))[candidates] > 0
+    if exclude is not None:
+        alone |= exclude[candidates]
+    rows = candidates[~alone]
+    if len(rows) < 2:
+        return None
+    # Rows with equal (computed count, adapter, length, context) are one computation; the first in order runs.
+    slots, seq_lens = batch.slots[rows], batch.seq_lens[rows]
+    starts = (seq_lens - batch.num_scheduled_tokens[rows]).tolist()
     first_row: dict[tuple, int] = {}
-    for row in candidates.tolist():
-        if exclude is not None and exclude[row]:
-            continue
-        slot, seq_len = int(batch.slots[row]), int(batch.seq_lens[row])
-        context = state.token_ids[slot, :seq_len]
-        if (batch.input_ids[qsl[row] : qsl[row + 1]] == placeholder).any():
-            continue
-        key = (int(starts[row]), int(state.lora_ids[slot]), seq_len, context.tobytes())
+    token_ids = state.token_ids
+    for row, slot, seq_len, start, lora_id in zip(rows.tolist(), slots.tolist(), seq_lens.tolist(), starts,
+                                                  state.lora_ids[slots].tolist()):
+        key = (start, lora_id, seq_len, token_ids[slot, :seq_len].tobytes())
         rep_of[row] = first_row.setdefault(key, row)
     keep = rep_of == np.arange(batch.num_reqs)  # [B]
     if keep.all():
@@ -95,7 +100,7 @@ def fold_shared_rows(batch: InputBatch, state: RequestState, placeholder: int,
     #   row d: tokens qsl[d] .. qsl[d+1]-1  <-  row rep_of[d]: qsl[rep] + (t - qsl[d])
     dup_rows = np.nonzero(~keep)[0]
     row_of_token = np.repeat(dup_rows, num_sched[dup_rows])
-    dst_tokens = np.concatenate([np.arange(qsl[d], qsl[d + 1]) for d in dup_rows.tolist()])
+    dst_tokens = np.flatnonzero(~token_keep)  # the left-out rows' tokens, row by row
     src_tokens = qsl[rep_of[row_of_token]] + (dst_tokens - qsl[row_of_token])
     return SharedPrefill(folded, logits_indices, batch.slot_mapping[src_tokens], batch.slot_mapping[dst_tokens])
 

@@ -1,4 +1,4 @@
-"""SamplingInputs: a step's SamplingMetadata from RequestState, its request-constant part reused while the same requests sample."""
+"""SamplingInputs: a step's SamplingMetadata from RequestState, reusing its request-constant part across steps."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SamplingInputs: a step's SamplingMetadata equals one built from scratch, whether or not its request-constant part is reused."""
+"""SamplingInputs: a step's SamplingMetadata equals one built from scratch, its request-constant part reused or not."""
 
 from __future__ import annotations
 
