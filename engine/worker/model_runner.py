@@ -309,9 +309,15 @@ class ModelRunner:
         if self.speculator is not None:  # every step: a draft model mirrors prefill chunks into its KV too
             self._verify_and_propose(sched, batch, hidden, step)
         elif len(batch.sample_rows):
-            logits_indices = self._h2d(torch.from_numpy(
-                batch.logits_indices if shared is None else shared.logits_indices))
-            logits = self.model.compute_logits(hidden[logits_indices])  # [S, V]: model dtype on GPU, float32 on CPU
+            if (shared is None and len(batch.sample_rows) == batch.num_tokens == hidden.shape[0]
+                    and hidden.is_contiguous()):
+                # A decode step: every token samples, in order, so the rows to sample are hidden as it is (the
+                # same contiguous [T, hidden] the gather would copy): no index to copy to the device or gather by.
+                sample_hidden = hidden
+            else:
+                sample_hidden = hidden[self._h2d(torch.from_numpy(
+                    batch.logits_indices if shared is None else shared.logits_indices))]
+            logits = self.model.compute_logits(sample_hidden)  # [S, V]: model dtype on GPU, float32 on CPU
             out = self.sampler(logits, self._sampling_metadata(batch, batch.sample_rows))
             slots = batch.slots[batch.sample_rows]
             positions = self.state.num_tokens[slots].copy()
