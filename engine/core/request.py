@@ -80,13 +80,13 @@ class Request:
         self.block_hashes: list[int] = []
         # return_routed_experts: routing of positions [0, num_routed_tokens) is known; the part not
         # yet reported (numpy [n, layers, k] arrays, e.g. mid-prompt chunks) waits here.
-        # (Both start as the shared empty tuple, not a list per request: most requests never have any, and a
-        # list lives as long as the request, for the garbage collector to walk.)
         self.num_routed_tokens = 0
         self.pending_routed_experts: list | tuple = ()
         # Speculative decoding: tokens the speculator proposed after this request's last step, to be
         # verified by its next one (the scheduler may schedule fewer).
         self.spec_token_ids: list[int] | tuple[()] = ()
+        # (The two start as the shared empty tuple, not a list each: most requests never have any, and a list
+        # would live as long as the request, for the garbage collector to walk.)
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> "Request":

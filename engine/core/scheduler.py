@@ -245,7 +245,7 @@ class Scheduler:
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
-            drafts = request.spec_token_ids and self._schedulable_drafts(request)  # [] without speculation
+            drafts = request.spec_token_ids and self._schedulable_drafts(request)  # () without speculation
             num_computed = request.num_computed_tokens
             num_placeholders = request.num_output_placeholders
             num_new = min(
