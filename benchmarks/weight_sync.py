@@ -48,6 +48,10 @@ LORA_NAME = "bench"
 CPU_SHAPES = {
     "100m": ("llama", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                            intermediate_size=2048, vocab_size=8192, tie_word_embeddings=False)),
+    # Qwen3-0.6B's 28 layers at a small width: its adapter's 392 tensors (rank 16, 7 targets), so per-tensor and
+    # per-call costs weigh as they do on the GPU shape while the bytes stay few.
+    "28-layer": ("llama", dict(hidden_size=64, num_hidden_layers=28, num_attention_heads=2, num_key_value_heads=1,
+                               intermediate_size=128, vocab_size=1024, tie_word_embeddings=True)),
 }
 
 
@@ -56,7 +60,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--backends", nargs="+", default=None, help=f"default on CPU: {' '.join(CPU_BACKENDS)}; on CUDA: ipc")
     p.add_argument("--models", nargs="+", default=None,
-                   help="tiny-llama, 100m (CPU), qwen3-0.6b, qwen2.5-1.5b, qwen2.5-7b (GPU shapes, random bf16 weights)")
+                   help="tiny-llama, 100m, 28-layer (CPU), qwen3-0.6b, qwen2.5-1.5b, qwen2.5-7b "
+                        "(GPU shapes, random bf16 weights)")
     p.add_argument("--syncs", type=int, default=3, help="timed syncs per backend and model (after one warm-up)")
     p.add_argument("--buffer-mib", type=int, default=256, help="packed buffer size for packed backends")
     p.add_argument("--sparse-fraction", type=float, default=0.01, help="sparse_nccl: fraction of coordinates changed per sync")
@@ -314,7 +319,8 @@ def bench_one(backend: str, model: str, args) -> list[dict]:
 
 
 def _phase_medians(phases: list[dict[str, float]]) -> dict[str, float]:
-    """start_weight_update / the backend's send / finish_weight_update (SyncStats.extra["phases_s"]): median seconds."""
+    """Median seconds of each phase (SyncStats.extra["phases_s"]): start_weight_update / the backend's send /
+    finish_weight_update, or for a sync in one call (apply_weight_update) send / apply."""
     return {k: statistics.median(p[k] for p in phases) for k in (phases[0] if phases else {})}
 
 
@@ -368,7 +374,7 @@ def bench_lora(engine: Engine, trainer, path: str, args, full: dict) -> tuple[di
         "dense_bytes": dense_bytes, "warmup_s": warm_s, "warmup_bytes_sent": warm.bytes_sent,
         "sync_s": times, "median_s": median, "median_ms": 1e3 * median, "gb_per_s": dense_bytes / median / 1e9,
         "bytes_sent_median": statistics.median(sent), "checksums_match": None,
-        # start_weight_update / the backend's send / finish_weight_update, median seconds each
+        # start / send / finish, or send / apply for a sync in one engine call: median seconds each
         "phases_median_s": _phase_medians(phases),
         "full_sync_median_s": full["median_s"], "full_sync_dense_bytes": full["dense_bytes"],
         "time_vs_full_sync": median / full["median_s"], "bytes_vs_full_sync": dense_bytes / full["dense_bytes"],

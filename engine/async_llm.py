@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 _WEIGHT_OPERATIONS = {
     "init_weight_transfer_engine": "init", "start_weight_update": "start", "update_weights": "update",
     "finish_weight_update": "finish", "shutdown_weight_transfer_engine": "shutdown",
-    "start_draft_weight_update": "start_draft",
+    "start_draft_weight_update": "start_draft", "apply_weight_update": "apply",
 }
 
 

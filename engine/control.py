@@ -431,6 +431,25 @@ class EngineControls(Protocol):
         of adapters only keeps the base model's cache and version: each synced adapter serves its new tensors
         under `weight_version` (its own) with a fresh prefix-cache key."""
 
+    @control(Combine.OWN, route=Route(wire=(("request", "update_info"),), constant=(("message", "Weights updated"),),
+                                      errors=(502,)),
+             weight_sync=True)
+    async def apply_weight_update(
+        self,
+        request: Annotated[Any, Arg(
+            "one update_weights call's request (see update_weights): every tensor of the update",
+            http=dict[str, Any] | list[dict[str, Any]])],
+        weight_version: Annotated[str | None, Arg(
+            "the version the new weights serve under (as finish_weight_update's)")] = None,
+    ) -> None:
+        """start_weight_update, update_weights(request) and finish_weight_update(weight_version) as one call (ours:
+        a small update, such as a LoRA adapter's, in one round trip). Same guarantees: everything is checked
+        before any weight changes, and a rejected call (ValueError, HTTP 400) or a failed transfer
+        (WeightTransferError, HTTP 502) leaves the previous weights (and adapters, and versions) serving.
+        Between two steps: requests are served before and after it, never on half-updated weights. Refused
+        while an update is in progress (WeightUpdateStateError). A group starts the update on every engine,
+        lands it on all, and finishes it on all only once every engine took it; else it aborts it on all."""
+
     @control(Combine.ANY, route=Route(field="aborted", then=("get_weight_version",)), weight_sync=True)
     async def abort_weight_update(self) -> bool:
         """Ends an update in progress and restores the weights of before it; False if none was in progress.
@@ -725,7 +744,8 @@ update_info_of = _unwrap("update_info", per_rank=True)
 """update_weights' `request` as its update_info: a dict, or vLLM's list of one dict per worker (indexed by
 data_parallel_rank * tensor_parallel_size + rank)."""
 
-_REQUEST_ARGS = {"init_weight_transfer_engine": {"request": init_info_of}, "update_weights": {"request": update_info_of}}
+_REQUEST_ARGS = {"init_weight_transfer_engine": {"request": init_info_of},
+                 "update_weights": {"request": update_info_of}, "apply_weight_update": {"request": update_info_of}}
 
 
 def plain_arguments(declared: Control, args: tuple) -> tuple:

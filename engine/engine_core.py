@@ -627,6 +627,30 @@ class EngineCore:
                 self.scheduler.rekey_waiting_lora(lora_id, cache_key)
 
     @between_steps
+    def apply_weight_update(self, request: Any, weight_version: str | None = None) -> int:
+        """start_weight_update, update_weights(request) and finish_weight_update(weight_version) in one call,
+        between two steps (engine/control.py); returns how many tensors landed.
+
+        Nothing of it serves unless all of it does: a bad weight_version is refused before the update starts;
+        a call rejected by validation (ValueError: it changed nothing) aborts the update it started; a failed
+        transfer (WeightTransferError) has ended the update and restored the weights already."""
+        if weight_version is not None:
+            _checked_version("weight_version", weight_version)
+        self.start_weight_update()  # WeightUpdateStateError while another update is in progress: nothing started
+        try:
+            num_loaded = self.update_weights(request)
+        except WeightTransferError:
+            raise
+        except BaseException:
+            try:
+                self.abort_weight_update()
+            except Exception as e:  # e.g. a worker died: the first error is the one to report
+                logger.warning("apply_weight_update: aborting the update after its failed call: %s", e)
+            raise
+        self.finish_weight_update(weight_version)
+        return num_loaded
+
+    @between_steps
     def shutdown_weight_transfer_engine(self) -> None:
         self.executor.rpc(Worker.shutdown_weight_transfer_engine)  # aborts an update in progress
         self.control.end_weight_update(consistent=self._weights_consistent())

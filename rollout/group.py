@@ -490,6 +490,37 @@ class RolloutGroup:
         self.balancer.forget_prefixes()
         await self._fan_out("finish_weight_update", weight_version)
 
+    async def apply_weight_update(self, request: Any, weight_version: str | None = None) -> None:
+        """A whole update in one call (EngineControls.apply_weight_update). One engine: its own one call. Several:
+        the update's three phases, each on every engine at once (a collective transport needs all of them in
+        update_weights together), and finish only once every engine landed it: the group serves the new weights
+        on all engines or on none (a failure aborts the update on every engine that started it)."""
+        if self.num_engines == 1:
+            await self.engines[0].apply_weight_update(request, weight_version)
+            return
+        if weight_version is not None and (not isinstance(weight_version, str) or not weight_version):
+            raise ValueError(f"weight_version: a weight_version is a non-empty string, got {weight_version!r}")
+        starts = await asyncio.gather(*(e.start_weight_update() for e in self.engines), return_exceptions=True)
+        started = [i for i, result in enumerate(starts) if not isinstance(result, BaseException)]
+        try:
+            for index, result in enumerate(starts):
+                if isinstance(result, BaseException):
+                    raise self._engine_error(index, result) from result
+            await self._fan_out("update_weights", request)
+        except BaseException:
+            await self._abort_update_quietly(started)
+            raise
+        await self.finish_weight_update(weight_version)
+
+    async def _abort_update_quietly(self, indexes: list[int]) -> None:
+        """Aborts the update on these engines, logging (not raising) failures: the caller raises the first error."""
+        results = await asyncio.gather(*(self.engines[i].abort_weight_update() for i in indexes),
+                                       return_exceptions=True)
+        for index, result in zip(indexes, results):
+            if isinstance(result, BaseException):
+                logger.warning("RolloutGroup: aborting engine %d's update after a failed one-call update failed: %s",
+                               index, result)
+
     async def weight_info(self, model: str = "target") -> dict[str, Any]:
         """Engine 0's weight_info (of `model`: "target" or "draft"), once every engine is checked to serve the
         same version, with every engine's in `engines` (each has its tensor-parallel ranks' slices under "ranks")."""

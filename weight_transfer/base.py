@@ -623,28 +623,74 @@ class TrainerWeightTransferEngine(ABC, Generic[TrainerInitT]):
         A source with a `lora_name` (weight_transfer.lora.AdapterSource) holds one LoRA adapter's tensors:
         the sync goes to that adapter of the engine (client.for_lora), through this same transport, and
         weight_version becomes the adapter's version; the base model's weights and version stay.
+
+        A sync that fits one update_weights call (an adapter's, usually) is one engine call instead of three
+        (apply_weight_update), when the backend supports it (_send_in_one_call); same guarantees.
         """
         src = self._source(source)
         if self.rank == 0:
             lora_name = getattr(src, "lora_name", None)
             if lora_name is None:
-                return self._update(lambda: self._send(src), weight_version)
+                return self._update(src, weight_version)
             # Every backend reaches the engine through self.client alone, so aiming it for this sync aims
             # all of its update_weights calls (including ones it posts from background threads meanwhile).
             client, self.client = self.client, self.client.for_lora(lora_name)
             try:
-                return self._update(lambda: self._send(src), weight_version)
+                return self._update(src, weight_version)
             finally:
                 self.client = client
         stats = self._follow(src)
         stats.weight_version = weight_version
         return stats
 
-    def _update(self, send: Callable[[], SyncStats], weight_version: str | None) -> SyncStats:
-        """One update as the engine sees it, on the sender: start_weight_update, send(), finish_weight_update.
-        On any failure the update is abandoned (_abandon_update) and the failure raised."""
+    def _update(self, source: WeightSource, weight_version: str | None) -> SyncStats:
+        """One update as the engine sees it, on the sender: apply_weight_update when the backend sends the
+        sync in one call, else start_weight_update, _send, finish_weight_update. On any failure the update
+        is abandoned (_abandon_update) and the failure raised."""
         started = time.perf_counter()
         self._before_update()
+        stats = self._update_in_one_call(source, weight_version, started)
+        if stats is not None:
+            return stats
+        return self._update_in_phases(lambda: self._send(source), weight_version, started)
+
+    def _update_in_one_call(self, source: WeightSource, weight_version: str | None, started: float) -> SyncStats | None:
+        """apply_weight_update around _send_in_one_call; None when the backend does not send this sync in one call."""
+        waiting: list[float] = []  # when the sender began waiting for the one call (once posted, it may hold an update)
+
+        def post(update_info: Any) -> Callable[[], None]:
+            # Imported here: clients.py (the trainer's side) is not needed by the engine, which imports this module.
+            from weight_transfer.clients import call_in_background
+
+            future = call_in_background(self.client.apply_weight_update, update_info, weight_version)
+            waiting.append(0.0)
+
+            def wait() -> None:
+                waiting[0] = time.perf_counter()
+                if self.timeout_s is None:
+                    future.result()
+                else:
+                    answer_of(future, self.timeout_s, "apply_weight_update")
+
+            return wait
+
+        try:
+            stats = self._send_in_one_call(source, post)
+        except BaseException:
+            # A refused or failed call ended the engine's update itself; a timed-out one may still hold it.
+            self._abandon_update(bool(waiting))
+            raise
+        if stats is not None:
+            stats.weight_version = weight_version
+            stats.seconds = time.perf_counter() - started
+            # What the sender did until it waited (the engine's call running meanwhile), and the wait for the call:
+            # the rest of its start, landing and finish in the engine, and the answer's way back.
+            stats.extra["phases_s"] = {"send": waiting[0] - started, "apply": started + stats.seconds - waiting[0]}
+        return stats
+
+    def _update_in_phases(self, send: Callable[[], SyncStats], weight_version: str | None, started: float) -> SyncStats:
+        """start_weight_update, send(), finish_weight_update (after _before_update, at `started`); on a failure
+        _abandon_update and raise."""
         begun = False
         try:
             self._bounded("start_weight_update", self.client.start_weight_update)
@@ -678,6 +724,16 @@ class TrainerWeightTransferEngine(ABC, Generic[TrainerInitT]):
         except Exception as e:  # e.g. the engine already ended the update itself, or it is gone
             # A string, not the exception: a kept log record would hold its traceback's frames (and tensors).
             logger.info("%s: abort_weight_update after a failed sync: %s", self.backend, str(e))
+
+    def _send_in_one_call(self, source: WeightSource,
+                          post: Callable[[Any], Callable[[], None]]) -> SyncStats | None:
+        """The sender's part of a sync that fits one update_weights call, with no update started: post(update_info)
+        once sends the engine's apply_weight_update (start, landing and finish) in the background and returns
+        wait(), which returns once the call has (or raises its failure); meanwhile the backend moves the tensors
+        as its update_weights call would need them. On a failure after post it stops the engine's wait for the
+        data and waits for the call before it raises. None, having done nothing, when the sync does not fit one
+        call or the backend has no such path: the three-phase update runs instead."""
+        return None
 
     @abstractmethod
     def _send(self, source: WeightSource) -> SyncStats:

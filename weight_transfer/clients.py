@@ -18,6 +18,7 @@ which send_weights does by itself for a source that names its adapter (weight_tr
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import queue
 import threading
@@ -35,6 +36,8 @@ from engine.control import (
     http_result,
     plain_arguments,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class WeightSyncError(RuntimeError):
@@ -235,12 +238,30 @@ class RayWeightSyncClient(WeightSyncClient):
                 offsets.append(({**args[0], "rank_offset": next_offset},))
                 next_offset += size
             return self._gather(method, per_engine=offsets)[0]
+        if method == "apply_weight_update" and len(self.actors) > 1:
+            return self._apply_in_phases(*args)
         results = self._gather(method, *args)
         declared = CONTROLS[method]
         if declared.combine is Combine.OWN:
             return results[0]
         return combine_answers(declared, results,
                                lambda answers: WeightSyncError(f"{method}: engines disagree: {answers}"))
+
+
+    def _apply_in_phases(self, request: Any, weight_version: str | None) -> None:
+        """apply_weight_update over several engines: start, update_weights and finish, each on every actor at once,
+        and finish only once every actor landed the update (else it is aborted on all): all of them serve it or none.
+        (Each actor's own one call could finish on some engines and fail on others.)"""
+        try:
+            self._gather("start_weight_update")
+            self._gather("update_weights", request)
+        except BaseException:
+            try:
+                self._gather("abort_weight_update")
+            except Exception as e:  # e.g. a dead actor: the first failure is the one to report
+                logger.warning("apply_weight_update: aborting the update on every engine after a failure: %s", e)
+            raise
+        self._gather("finish_weight_update", weight_version)
 
 
 class ModelWeightSyncClient(WeightSyncClient):
@@ -269,7 +290,8 @@ class ModelWeightSyncClient(WeightSyncClient):
         for name, value in zip(names, args):
             if name == "model":
                 value = self.model
-            elif name == "request" and method in ("init_weight_transfer_engine", "update_weights"):
+            elif name == "request" and method in ("init_weight_transfer_engine", "update_weights",
+                                                  "apply_weight_update"):
                 # plain here (_forward_control unwrapped vLLM's request): a dict, or vLLM's list of one per worker
                 value = ([{**v, "model": self.model} for v in value] if isinstance(value, list)
                          else {**value, "model": self.model})
@@ -278,9 +300,10 @@ class ModelWeightSyncClient(WeightSyncClient):
 
 
 class LoRAWeightSyncClient(WeightSyncClient):
-    """Another client's calls aimed at one LoRA adapter the engine has loaded: update_weights' update_info gains
-    {"lora_name": lora_name}, so every backend's calls carry that adapter's PEFT-named tensors into it (staged
-    until finish_weight_update; engine/worker/lora_weight_update.py); the rest pass unchanged.
+    """Another client's calls aimed at one LoRA adapter the engine has loaded: update_weights' (and
+    apply_weight_update's) update_info gains {"lora_name": lora_name}, so every backend's calls carry that adapter's
+    PEFT-named tensors into it (staged until the update finishes; engine/worker/lora_weight_update.py); the rest
+    pass unchanged.
 
     A trainer rarely builds one itself: send_weights aims its client at the adapter of a source that names
     one (weight_transfer.lora.adapter_source). The transport is the model's: no init of its own.
@@ -299,10 +322,10 @@ class LoRAWeightSyncClient(WeightSyncClient):
         return self.client.engine_world_sizes()
 
     def _call(self, method: str, *args: Any) -> Any:
-        if method == "update_weights":  # plain here: a dict, or vLLM's list of one per worker
-            (request,) = args
+        if method in ("update_weights", "apply_weight_update"):  # plain here: a dict, or vLLM's list of one per worker
+            request, *rest = args
             args = ([{**v, "lora_name": self.lora_name} for v in request] if isinstance(request, list)
-                    else {**request, "lora_name": self.lora_name},)
+                    else {**request, "lora_name": self.lora_name}, *rest)
         return self.client._call(method, *args)
 
 

@@ -12,7 +12,9 @@ buffer, so the call's round trip overlaps the copy; the engine waits until the b
 word in a small shared control block says the pack is complete, yields views into the buffer
 (the worker lands each before it pulls the next) and synchronizes before the call returns.
 The trainer refills a buffer only after the call that read it returned, and keeps at most
-packed_num_buffers calls in flight.
+packed_num_buffers calls in flight. A sync of one pack (a LoRA adapter's, usually) is one engine call
+instead, apply_weight_update, posted the same way before the fill: it starts the update, lands the
+pack once ready and finishes the update (weight_transfer/base.py: _send_in_one_call).
 
     engine init_info:  {"backend": "ipc", "control": "<segment name>", "host": "cpu:<boot id>",   (IPCInitInfo)
                         "timeout_s": float, "keep_buffers": bool}
@@ -51,7 +53,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from typing import Annotated, ClassVar, Literal
@@ -770,10 +772,67 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         packs, tensor_list, dense_bytes = self._plan(metas)
         exports_before = self.num_exports
         self._sync(metas, packs, tensor_list, _PeekedSource(iter(source.iter_full())))
+        return self._stats(metas, packs, dense_bytes, exports_before)
+
+    def _send_in_one_call(self, source: WeightSource, post: Callable[[dict], Callable[[], None]]) -> SyncStats | None:
+        """A sync of one pack: its apply_weight_update is posted before the fill, as _sync posts an update_weights
+        call (the call's way to the engine and the engine's start overlap the copy; it waits for `ready`)."""
+        metas = source.metadata
+        packs, tensor_list, dense_bytes = self._plan(metas)
+        if len(packs) != 1:
+            return None
+        (pack,) = packs
+        control = self._require_control()
+        exports_before = self.num_exports
+        items = _PeekedSource(iter(source.iter_full()))
+        control.set_aborted(False)
+        wait = None
+        where = "before the first pack"
+        try:
+            # Nothing is in flight between syncs: the ring's first buffer (or the oversize one), every time, so
+            # that one-call syncs export and open one buffer, not one per ring slot.
+            slot = self.config.packed_num_buffers if pack.nbytes > self.config.packed_buffer_size_bytes else 0
+            buffer = self._buffer(slot, pack.nbytes, self._buffer_device(items))
+            update_info = self._update_info(pack, tensor_list, slot, buffer)
+            where = f"the pack starting at {metas[pack.slots[0].index].name!r}"
+            wait = post(update_info)
+            self._fill(buffer, pack, metas, items)
+            control.set_ready(slot, update_info["seq"])
+            where = "the engine's apply_weight_update"
+            wait()
+        except BaseException as e:
+            if wait is not None:
+                control.set_aborted(True)  # an engine waiting for the fill raises now instead of at its timeout
+                if where != "the engine's apply_weight_update":
+                    try:
+                        wait()  # the call ends (failed) before the trainer may touch the buffer again
+                    except Exception as late:  # the first error is the one reported; this follows from it
+                        logger.info("ipc: the apply_weight_update call ended with %s", str(late))
+            if _gathers(metas):
+                _drain_quietly(items)
+            if isinstance(e, Exception) and not isinstance(e, TimeoutError):
+                raise RuntimeError(f"ipc: send_weights failed at {where}: {type(e).__name__}: {e}") from e
+            raise
+        return self._stats(metas, packs, dense_bytes, exports_before)
+
+    def _stats(self, metas: list[ParamMeta], packs: list[packing.Pack], dense_bytes: int,
+               exports_before: int) -> SyncStats:
         # Each byte crosses once: the trainer's copy into the shared buffer.
         stats = SyncStats(backend=self.backend, num_tensors=len(metas), bytes_sent=dense_bytes, dense_bytes=dense_bytes)
         stats.extra.update(num_packs=len(packs), buffer_ids=self.buffer_ids, num_exports=self.num_exports - exports_before)
         return stats
+
+    def _update_info(self, pack: packing.Pack, tensor_list: dict, slot: int, buffer: _Buffer) -> dict:
+        """The update_info of the pack's next fill of `slot`'s buffer (a fresh seq)."""
+        seq = self._next_seq
+        self._next_seq += 1
+        return {
+            **{key: [values[s.index] for s in pack.slots] for key, values in tensor_list.items()},
+            "buffer_size": self.config.packed_buffer_size_bytes,
+            "slot": slot,
+            "seq": seq,
+            "buffer": {buffer.key: buffer.descriptor},
+        }
 
     @property
     def buffer_ids(self) -> list[str]:
@@ -813,15 +872,8 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
                 where = f"the pack starting at {first_name!r}"
                 slot = self._claim_slot(pack.nbytes > limit, pending)
                 buffer = self._buffer(slot, capacity[pack.nbytes > limit], self._buffer_device(items))
-                seq = self._next_seq
-                self._next_seq += 1
-                update_info = {
-                    **{key: [values[s.index] for s in pack.slots] for key, values in tensor_list.items()},
-                    "buffer_size": limit,
-                    "slot": slot,
-                    "seq": seq,
-                    "buffer": {buffer.key: buffer.descriptor},
-                }
+                update_info = self._update_info(pack, tensor_list, slot, buffer)
+                seq = update_info["seq"]
                 # Posted before the fill: the call's round trip overlaps the copy; the engine waits for `ready`.
                 future = call_in_background(self.client.update_weights, update_info)
                 pending[slot] = _InFlight(future, slot, seq, first_name)
@@ -924,10 +976,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
                 logger.info("ipc: the call for the pack starting at %r ended with %s", call.first_name, str(e))
         logger.warning("ipc: sync failed (%s); the engine will be told to abort the update", str(error))
         if _gathers(metas):
-            try:  # the other ranks gather with us: finish the pass so that they are not left waiting
-                items.drain()
-            except Exception as e:  # the source itself failed; the other ranks see that too
-                logger.info("ipc: draining the source after the failure: %s", str(e))
+            _drain_quietly(items)
 
     # ---- buffers ---------------------------------------------------------------------------------------
 
@@ -1008,6 +1057,15 @@ def _earliest_engine_failure(pending: dict[int, "_InFlight"]) -> BaseException |
             if "weight transfer failed" in str(error):
                 return error
     return None
+
+
+def _drain_quietly(items: _PeekedSource) -> None:
+    """After a failure on rank 0 of a gathering source: the other ranks gather with us, so the pass is finished
+    for them not to be left waiting."""
+    try:
+        items.drain()
+    except Exception as e:  # the source itself failed; the other ranks see that too
+        logger.info("ipc: draining the source after the failure: %s", str(e))
 
 
 def _gathers(metas: list[ParamMeta]) -> bool:

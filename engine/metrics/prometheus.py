@@ -210,8 +210,8 @@ class PrometheusStatLogger(StatLoggerBase):
         # Ours: per engine, successful calls only (vLLM's per-route family is engine/metrics/rl.py's).
         self.weight_update_duration = histogram(
             "weight_update_duration_seconds",
-            "Duration of each successful weight-update lifecycle call (init, start, update, finish, shutdown) "
-            "on one engine, seen by its frontend.",
+            "Duration of each successful weight-update lifecycle call (init, start, update, finish, shutdown; "
+            "apply: one whole update in one call) on one engine, seen by its frontend.",
             WEIGHT_UPDATE_BUCKETS, ["operation"], prefix=PREFIX,
         )  # fmt: skip
         self.weight_version_info = Gauge(

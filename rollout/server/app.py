@@ -429,7 +429,8 @@ def build_app(engine: ServedEngine, server_config: ServerConfig, model_name: str
     # body is read; a body over its limit is refused before a route parses it.
     app.add_middleware(
         BodyLimitMiddleware, max_bytes=server_config.max_request_body_bytes,
-        path_limits={"/update_weights": (server_config.max_weight_update_body_bytes, "--max-weight-update-body-bytes")},
+        path_limits={path: (server_config.max_weight_update_body_bytes, "--max-weight-update-body-bytes")
+                     for path in ("/update_weights", "/apply_weight_update")},  # both carry an update_info
     )
     open_paths = {route.path for route in open_router.routes} | {
         p for p in (app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url) if p

@@ -404,6 +404,33 @@ def test_weight_update_over_http_matches_hf_with_the_new_weights(http, tiny_chec
     assert all(counts.get(op, 0) >= 2 for op in ("init", "start", "update", "finish")), counts
 
 
+def test_a_one_call_update_over_http_lands_or_changes_nothing(http, tiny_checkpoint, tmp_path_factory):
+    """POST /apply_weight_update (ours): start, update_weights and finish in one request; bad input is a 400 naming
+    the tensor, with the old weights serving and no update left open."""
+    from weight_transfer import hf_state_checksums
+    from weight_transfer.local import make_update_info
+
+    original = load_file(os.path.join(tiny_checkpoint("llama"), "model.safetensors"))
+    new = load_file(os.path.join(make_tiny_checkpoint(tmp_path_factory.mktemp("seed3"), "llama", seed=3),
+                                 "model.safetensors"))
+    version = http.get("/weight_info").json()["weight_version"]
+    assert http.post("/init_weight_transfer_engine", json={"init_info": {"backend": "local"}}).status_code == 200
+    name, tensor = next(iter(new.items()))
+    for bad in ({"no.such.weight": tensor}, {name: torch.zeros(3, 3)}):
+        r = http.post("/apply_weight_update", json={"update_info": make_update_info(bad.items(), encoding="b64"),
+                                                    "weight_version": "bad"})
+        _assert_error(r, 400, next(iter(bad)))
+        assert http.post("/abort_weight_update").json() == {"aborted": False, "weight_version": version}
+    assert http.post("/weight_checker", json={"baseline": hf_state_checksums(original)}).json()["match"] is True
+
+    for weights, label in ((new, "one-call"), (original, version)):
+        r = http.post("/apply_weight_update", json={"update_info": make_update_info(weights.items(), encoding="b64"),
+                                                    "weight_version": label})
+        assert r.status_code == 200 and r.json() == {"message": "Weights updated"}, r.text
+        assert http.get("/weight_info").json()["weight_version"] == label
+        assert http.post("/weight_checker", json={"baseline": hf_state_checksums(weights)}).json()["match"] is True
+
+
 def test_vllm_weight_checker_checksum_reset_compare(http, tiny_checkpoint):
     """vLLM's /weight_checker: keys "dp0:pp0:pcp0:tp0:<parameter>", plain sha256 of the raw bytes."""
     import hashlib

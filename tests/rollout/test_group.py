@@ -101,6 +101,52 @@ def test_a_local_weight_update_reaches_every_engine(dp_worker, tmp_path):
     assert [o.outputs[0].token_ids for o in outputs] == before
 
 
+def test_a_one_call_update_lands_on_every_engine_or_on_none(dp_worker, tmp_path):
+    """apply_weight_update on a group: an engine that refuses to start, or fails its landing, leaves every engine
+    serving the old weights with no update open; then one call lands the new weights on both."""
+    from weight_transfer import hf_state_checksums
+
+    group = dp_worker.engine
+    original = load_file(os.path.join(dp_worker.config.model.model, "model.safetensors"))
+    new = load_file(os.path.join(make_tiny_checkpoint(tmp_path / "seed2", "llama", seed=2), "model.safetensors"))
+    version = dp_worker.get_weight_version()
+    before = [o.outputs[0].token_ids for o in dp_worker.generate(PROMPTS, GREEDY)]
+
+    def unchanged() -> None:
+        assert _on_loop(dp_worker, _all(group, "abort_weight_update")) == [False, False]  # no update open
+        assert dp_worker.get_weight_version() == version
+        assert [r["match"] for r in dp_worker.weight_checker(hf_state_checksums(original))["engines"]] == [True, True]
+        assert [o.outputs[0].token_ids for o in dp_worker.generate(PROMPTS, GREEDY)] == before
+
+    dp_worker.init_weight_transfer_engine({"backend": "local"})
+    _on_loop(dp_worker, group.engines[1].shutdown_weight_transfer_engine())  # engine 1 cannot start an update
+    with pytest.raises(ValueError, match="init_weight_transfer_engine first"):
+        dp_worker.apply_weight_update({"weights": dict(new)}, "v-none")
+    unchanged()
+
+    dp_worker.init_weight_transfer_engine({"backend": "local"})
+    landing = group.engines[1].update_weights
+
+    async def fails_after_landing(request):  # engine 1 lands the tensors, then its call fails
+        await landing(request)
+        raise RuntimeError("engine 1 lost its transfer")
+
+    group.engines[1].update_weights = fails_after_landing
+    try:
+        with pytest.raises(RuntimeError, match="engine 1 lost its transfer"):
+            dp_worker.apply_weight_update({"weights": dict(new)}, "v-none")
+    finally:
+        del group.engines[1].update_weights
+    unchanged()
+
+    dp_worker.apply_weight_update({"weights": dict(new)}, "v-one-call")
+    assert dp_worker.get_weight_version() == "v-one-call"
+    assert [r["match"] for r in dp_worker.weight_checker(hf_state_checksums(new))["engines"]] == [True, True]
+    assert [o.outputs[0].token_ids for o in dp_worker.generate(PROMPTS, GREEDY)] != before
+    dp_worker.apply_weight_update({"weights": dict(original)}, version)
+    unchanged()
+
+
 def test_engines_that_disagree_on_the_weight_version_fail_loudly(dp_worker):
     group = dp_worker.engine
     version = dp_worker.get_weight_version()

@@ -1,0 +1,183 @@
+"""A weight update in one engine call (apply_weight_update): an adapter sync of one pack is one round trip, same guarantees.
+
+Start, landing and finish run as one call between two steps: the adapter serves the trainer's tensors under its
+own version afterwards, or - a bad call, a failed transfer, another update in progress - everything serves as
+before, no update is left open and the next sync works.
+"""
+
+from __future__ import annotations
+
+import pytest
+from engine.exceptions import WeightUpdateStateError
+from weight_transfer.base import trainer_init
+from weight_transfer.checksums import lora_state_checksums
+from weight_transfer.clients import LocalWeightSyncClient, RayWeightSyncClient
+from weight_transfer.ipc import IPCTrainerInitInfo
+from weight_transfer.local import make_update_info
+from weight_transfer.lora import AdapterSource, adapter_source
+from engine import LLM
+from test_lora_sync import (
+    ENGINE_ARGS, _assert_matches, _bad_syncs, _gen, _lora_sums, _peft_tensors, _refs, _run, _trained,
+)
+
+
+@pytest.fixture(scope="module")
+def old_refs(base_model, adapters):
+    """HF + PEFT merged with adapter "qv" as loaded."""
+    return _refs(base_model, adapters["qv"].lora_path)
+
+
+@pytest.fixture(scope="module")
+def trained(base_model, adapters, tmp_path_factory):
+    """(the trainer's PeftModel for adapter "qv" after a step, HF + PEFT merged with its tensors)."""
+    model = _trained(base_model, adapters["qv"].lora_path, seed=31)
+    saved = tmp_path_factory.mktemp("qv-trained-one-call")
+    model.save_pretrained(str(saved))
+    return model, _refs(base_model, str(saved))
+
+
+@pytest.fixture
+def llm(base_model):
+    llm = LLM(base_model, **ENGINE_ARGS)
+    yield llm
+    llm.shutdown()
+
+
+class _CountingClient(LocalWeightSyncClient):
+    """A LocalWeightSyncClient that records the engine calls it makes."""
+
+    def __init__(self, worker) -> None:
+        super().__init__(worker)
+        self.calls: list[str] = []
+
+    def _call(self, method: str, *args):
+        self.calls.append(method)
+        return super()._call(method, *args)
+
+
+def _no_update_open(core) -> bool:
+    return core.abort_weight_update() is False
+
+
+def test_an_ipc_adapter_sync_of_one_pack_is_one_engine_call(llm, adapters, old_refs, trained):
+    qv, mixed = adapters["qv"], adapters["mixed"]
+    model, new_refs = trained
+    generate = _gen(llm)
+    _assert_matches(_run(generate, qv), old_refs)
+    mixed_before = _lora_sums(llm, "mixed")
+    client = _CountingClient(llm)
+    trainer = trainer_init(IPCTrainerInitInfo(timeout_s=30.0), client=client, source=adapter_source(model, "qv"))
+    try:
+        client.calls.clear()
+        stats = trainer.send_weights(weight_version="one-1")
+        assert client.calls == ["apply_weight_update"]
+        assert stats.extra["num_packs"] == 1 and set(stats.extra["phases_s"]) == {"send", "apply"}
+        new_tensors = _peft_tensors(model)
+        assert _lora_sums(llm, "qv") == lora_state_checksums("qv", new_tensors)
+        assert llm.get_weight_version(lora_name="qv") == "one-1" and llm.get_weight_version() == "default"
+        assert _lora_sums(llm, "mixed") == mixed_before
+        _assert_matches(_run(generate, qv), new_refs)
+        # The next sync reuses the exported buffer.
+        again = trainer.send_weights(weight_version="one-2")
+        assert again.extra["num_exports"] == 0 and client.calls[-1] == "apply_weight_update"
+        assert llm.get_weight_version(lora_name="qv") == "one-2"
+    finally:
+        trainer.shutdown()
+
+
+def test_bad_one_call_updates_change_nothing_and_leave_no_update_open(llm, adapters, old_refs, trained):
+    """Unknown adapter, shape mismatch, a module the adapter lacks, a non-LoRA name, a NaN: a ValueError naming it,
+    the adapter's tensors, version and cache as before, and no update left open (a good call then lands)."""
+    qv = adapters["qv"]
+    model, new_refs = trained
+    generate = _gen(llm)
+    _run(generate, qv)
+    old_sums = _lora_sums(llm, "qv")
+    core = llm.engine_core
+    core.init_weight_transfer_engine({"backend": "local"})
+    for update_info, message in _bad_syncs(model):
+        with pytest.raises(ValueError, match=message):
+            core.apply_weight_update(update_info, "bad")
+        assert _no_update_open(core)
+    good = {"lora_name": "qv", **make_update_info(_peft_tensors(model).items())}
+    with pytest.raises(ValueError, match="weight_version"):
+        core.apply_weight_update(good, "")  # refused before the update starts
+    assert _no_update_open(core)
+    assert _lora_sums(llm, "qv") == old_sums
+    assert core.get_weight_version(lora_name="qv") == "default" and core.get_weight_version() == "default"
+    after = _run(generate, qv)
+    _assert_matches(after, old_refs)
+    assert all(cached > 0 for *_, cached in after)  # its prefix cache stayed
+
+    # Inside a three-phase update it is refused, and that update goes on untouched.
+    core.start_weight_update()
+    assert core.update_weights(good) == len(good["weights"])
+    with pytest.raises(WeightUpdateStateError, match="already in progress"):
+        core.apply_weight_update(good, "nested")
+    core.finish_weight_update("three-phase")
+    assert core.get_weight_version(lora_name="qv") == "three-phase"
+    _assert_matches(_run(generate, qv), new_refs)
+
+    assert core.apply_weight_update({**good, "weights": dict(good["weights"])}, "one-call") == len(good["weights"])
+    assert core.get_weight_version(lora_name="qv") == "one-call" and _no_update_open(core)
+
+
+class _FailingSource(AdapterSource):
+    """An adapter source whose pass fails after its first tensor (a trainer that breaks mid-sync)."""
+
+    def iter_full(self):
+        items = super().iter_full()
+        yield next(items)
+        raise RuntimeError("the trainer broke mid-sync")
+
+
+def test_a_one_call_sync_whose_transfer_fails_leaves_the_adapter_serving(llm, adapters, old_refs, trained):
+    """The engine waits for the pack while the trainer fills it; the fill fails: the engine's call ends, the
+    update with it, the old adapter serves; the trainer says why, and its next sync lands."""
+    qv = adapters["qv"]
+    model, new_refs = trained
+    generate = _gen(llm)
+    _run(generate, qv)
+    old_sums = _lora_sums(llm, "qv")
+    source = adapter_source(model, "qv")
+    trainer = trainer_init(IPCTrainerInitInfo(timeout_s=30.0), client=LocalWeightSyncClient(llm), source=source)
+    try:
+        failing = _FailingSource(list(_peft_tensors(model).items()), "qv")
+        with pytest.raises(RuntimeError, match="the trainer broke mid-sync"):
+            trainer.send_weights(failing, weight_version="broken")
+        assert _no_update_open(llm.engine_core)
+        assert _lora_sums(llm, "qv") == old_sums and llm.get_weight_version(lora_name="qv") == "default"
+        _assert_matches(_run(generate, qv), old_refs)
+        trainer.send_weights(weight_version="after-failure")
+    finally:
+        trainer.shutdown()
+    assert llm.get_weight_version(lora_name="qv") == "after-failure"
+    _assert_matches(_run(generate, qv), new_refs)
+
+
+def test_a_ray_client_over_several_engines_applies_in_phases_on_all_or_none(monkeypatch):
+    """Each actor's own one call could finish on some engines and fail on others: over several, the client runs
+    start, update and finish on all, and aborts on all when any fails."""
+    client = RayWeightSyncClient([object(), object()])
+    calls: list[tuple] = []
+    failing = {"update_weights"}
+
+    def gather(method, *args, per_engine=None):
+        calls.append((method, *args))
+        if method in failing:
+            raise ValueError(f"{method}: engine actor 1: refused")
+        return [None, None]
+
+    monkeypatch.setattr(client, "_gather", gather)
+    with pytest.raises(ValueError, match="refused"):
+        client.apply_weight_update({"weights": {}}, "v1")
+    assert calls == [("start_weight_update",), ("update_weights", {"weights": {}}), ("abort_weight_update",)]
+    calls.clear()
+    failing.clear()
+    client.apply_weight_update({"weights": {}}, "v1")
+    assert calls == [("start_weight_update",), ("update_weights", {"weights": {}}), ("finish_weight_update", "v1")]
+    calls.clear()
+    failing.add("start_weight_update")  # one engine refused to start: the others' updates are aborted too
+    with pytest.raises(ValueError, match="refused"):
+        client.apply_weight_update({"weights": {}}, "v1")
+    assert calls == [("start_weight_update",), ("abort_weight_update",)]
