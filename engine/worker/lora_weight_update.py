@@ -21,10 +21,10 @@ Only the adapter's bytes move: the model's parameters are never read or written 
 
 Cost: a call is a handful of launches and one host sync, whatever its number of tensors. A recurring call
 (same adapter load, names, dtypes, shapes: every sync of a training run) is checked and laid out once
-(_CallPlan). Its tensors are copied by multi-tensor copies, group by group as the backend's views allow
-(WeightUpdateInfo.group_sizes, views_stable_per_call), into one float32 buffer on the slots' device (a
-backend may reuse its buffers once the next tensor is pulled); one isfinite over that buffer is read once
-the stream ended. At commit the slot is rewritten from that buffer on the device (LoRAManager.install),
+(_CallPlan), and a backend's repeat of the very same views (reuse_key) is not looked at again. Its tensors
+are copied by multi-tensor copies, group by group as the backend's views allow (WeightUpdateInfo.group_sizes,
+views_stable_per_call), into one float32 buffer on the slots' device (a backend may reuse its buffers once
+the next tensor is pulled); the sum of that buffer, finite unless a value is not, is read once the stream ended. At commit the slot is rewritten from that buffer on the device (LoRAManager.install),
 and the host copy is one copy of the buffer to pinned memory on a side stream, still running when commit
 returns (PEFTAdapter.pending: host readers wait for it). On CPU the buffer is the host copy itself.
 """
@@ -146,6 +146,7 @@ class LoRAWeightUpdater:
         self.target = target  # its transfer engine carries the adapter tensors; its state is the update's
         self._staged: dict[int, _Staged] = {}  # lora_int_id -> the adapter's tensors of this update
         self._plans: dict[Hashable, _CallPlan] = {}  # (layout, names, dtypes, shapes) -> the call, checked
+        self._checked: dict[Hashable, _CallPlan] = {}  # (layout, reuse_key) -> the plan of a call whose views passed
         self._copy_stream = None  # CUDA: the side stream of the host copies made at commit
         # Held for a whole call: two calls staging at once would each add to the same old adapter, and the
         # later one would drop the earlier one's tensors. Uncontended in an engine process (calls arrive in turn).
@@ -171,13 +172,23 @@ class LoRAWeightUpdater:
         info = engine.parse_update_info(update_info)
         staged = self._staged.get(lora.lora_int_id)
         base = staged.base if staged is not None else self.manager.host_adapter(lora)
-        try:
-            plan = self._plan(base, lora.lora_name, info)
-        except ValueError as e:
-            raise ValueError(f"adapter update rejected, nothing was changed: {e}") from None
-        call, problems = self._receive(engine, info, plan, base, lora.lora_name)
+        # A repeat of a call whose views were checked (the backend's reuse_key: the very same views again, for
+        # backends whose views last the call) is planned and checked by what was built the first time.
+        repeat = (base.layout, info.reuse_key) if engine.views_stable_per_call and info.reuse_key is not None else None
+        plan = self._checked.get(repeat) if repeat is not None else None
+        trusted = plan is not None
+        if plan is None:
+            try:
+                plan = self._plan(base, lora.lora_name, info)
+            except ValueError as e:
+                raise ValueError(f"adapter update rejected, nothing was changed: {e}") from None
+        call, problems = self._receive(engine, info, plan, base, lora.lora_name, trusted)
         if problems:
             raise ValueError(f"adapter update rejected, nothing was changed: {'; '.join(problems[:_MAX_SHOWN])}")
+        if repeat is not None and not trusted:
+            if len(self._checked) >= _MAX_PLANS:
+                self._checked.clear()
+            self._checked[repeat] = plan
         if staged is None:
             staged = self._staged[lora.lora_int_id] = _Staged(lora, base)
         staged.calls.append(call)
@@ -195,9 +206,10 @@ class LoRAWeightUpdater:
         return plan
 
     def _receive(self, engine: WeightTransferEngine, info: WeightUpdateInfo, plan: _CallPlan, base: PEFTAdapter,
-                 lora_name: str) -> tuple[_StagedCall, list[str]]:
+                 lora_name: str, trusted: bool = False) -> tuple[_StagedCall, list[str]]:
         """The call's tensors copied into float32 staging on the slots' device (a backend may reuse its buffers
-        once the next is pulled), the stream read to its end; and what was wrong with what arrived."""
+        once the next is pulled), the stream read to its end; and what was wrong with what arrived (trusted: the
+        views are those checked before, so only their values are)."""
         flat = torch.empty(plan.numel, dtype=torch.float32, device=self.manager.device)
         views = plan.views(flat)
         problems: list[str] = []
@@ -212,14 +224,16 @@ class LoRAWeightUpdater:
                 names, items = [n for n, _ in group], [t for _, t in group]
                 received += names
                 name = received[-1] if received else None
-                if not problems:
+                if not problems and not trusted:
                     problems += _check_group(base, lora_name, plan, start, names, items)
                 if not problems and items:  # one multi-tensor copy (and cast) for the group, queued on the device
                     torch._foreach_copy_(views[start:len(received)], items)
                 if len(group) < size:
                     break
             if not problems:  # queued before the stream ends (ipc synchronizes the device there): read at no wait
-                finite = torch.isfinite(flat).all()
+                # NaN and inf survive a sum, so a finite sum means finite values: one reduction (isfinite over the
+                # whole buffer cost ~5 ms a sync on CPU). A sum that overflowed only sends it to the exact check.
+                finite = torch.isfinite(flat.sum())
             for extra, _ in stream:  # runs the backend's stream to its end (it marks the call complete)
                 received.append(extra)
             if not problems and len(received) != len(plan.names):
@@ -235,7 +249,7 @@ class LoRAWeightUpdater:
         finally:
             if hasattr(stream, "close"):
                 stream.close()
-        if not problems and not bool(finite):  # the call's one host sync
+        if not problems and not bool(finite):  # the call's one host sync; the exact check names the tensors
             problems += [f"{n!r}: contains NaN or inf" for n, t in zip(plan.names, views)
                          if t.numel() and not bool(torch.isfinite(t).all())]
         return _StagedCall(plan, flat, views), problems

@@ -189,3 +189,47 @@ def test_a_call_plan_lays_equal_shapes_side_by_side():
     assert torch.equal(views[0].flatten(), flat[0:6]) and torch.equal(views[2].flatten(), flat[6:12])
     assert torch.equal(views[1].flatten(), flat[12:20]) and torch.equal(views[4].flatten(), flat[20:28])
     assert plan.targets[1] == ("m1", "B")
+
+
+class _StableEngine:
+    """A transfer engine whose views last the call and recur (ipc's): the same view objects every call of one
+    layout, filled with the call's values; reuse_key says so."""
+
+    views_stable_per_call = True
+
+    def __init__(self) -> None:
+        self.views: dict[tuple, list[torch.Tensor]] = {}
+
+    def parse_update_info(self, update_info: dict) -> _Info:
+        tensors = update_info["tensors"]
+        names, shapes = list(update_info["names"]), [tuple(t.shape) for t in tensors]
+        layout = (tuple(names), tuple(shapes))
+        return _Info(names, [t.dtype for t in tensors], shapes, reuse_key=layout, tensors=tensors)
+
+    def receive_weights(self, info: _Info):
+        views = self.views.setdefault(info.reuse_key, [torch.empty(s) for s in info.shapes])
+        for name, view, t in zip(info.names, views, info.tensors):
+            view.copy_(t)
+            yield name, view
+
+
+def test_a_repeated_call_is_checked_for_values_and_huge_finite_values_pass(manager, adapters):
+    """A backend's repeat of the same views skips their shape checks, never the values: a NaN in the third call is
+    refused. Values whose sum overflows float32 are finite, and land."""
+    lora = adapters["mixed"]
+    updater = LoRAWeightUpdater(manager, _Target(_StableEngine()))
+    for seed in (8, 9):
+        updater.update(_call(manager, lora, seed=seed, dtype=torch.float32), lora)
+    assert len(updater._checked) == 1  # the layout's views passed once; the second call was a trusted repeat
+    host_before = _host_values(manager, lora)
+    bad = _call(manager, lora, seed=10, dtype=torch.float32)
+    bad["tensors"][1][0, 0] = float("nan")
+    with pytest.raises(ValueError, match=rf"nothing was changed: '{bad['names'][1]}': contains NaN or inf$"):
+        updater.update(bad, lora)
+    huge = _call(manager, lora, seed=11, dtype=torch.float32)
+    huge["tensors"] = [torch.full_like(t, 1e38) for t in huge["tensors"]]
+    updater.update(huge, lora)
+    assert _same(_host_values(manager, lora), host_before)  # staged, not serving yet
+    updater.commit()
+    host = _host_values(manager, lora)
+    assert all(torch.equal(host[n], t) for n, t in zip(huge["names"], huge["tensors"]))
