@@ -107,7 +107,7 @@ class LoRAManager:
         return self._host[lora.lora_int_id]
 
     def install(self, lora: LoRARequest, adapter: PEFTAdapter, synced: Sequence[tuple[str, str]] | None = None,
-                sources: Sequence[torch.Tensor] | None = None) -> None:
+                sources: Sequence[torch.Tensor] | None = None, recurring: bool = False) -> None:
         """Makes `adapter` (a synced version, checked against the old one) the adapter's weights: its host copy,
         pinned, and its slot when it has one. Between steps: a request already running with it computes its
         next tokens with these weights over the KV cache the old ones computed (vLLM's behaviour for a
@@ -116,7 +116,9 @@ class LoRAManager:
 
         synced, sources: the tensors the sync changed, (module, "A" or "B") each and its values as synced
         (float32, full HF shapes, unscaled, on the slots' device). The slot is then rewritten from these where
-        they are, with a few multi-tensor launches and no host round trip; without them, from the host copy."""
+        they are, with a few multi-tensor launches and no host round trip; without them, from the host copy.
+        recurring: `sources` is a list the caller passes again at later installs (its buffers are reused), so
+        what was resolved from it is kept; otherwise nothing of it is held after this call."""
         lora_id = lora.lora_int_id
         self._host[lora_id] = adapter
         self._host.move_to_end(lora_id)
@@ -125,12 +127,12 @@ class LoRAManager:
         if lora_id in self._slot_ids:
             slot = self._slot_ids.index(lora_id)
             if synced is not None and self._slot_layouts[slot] is adapter.layout:
-                self._rewrite_slot(slot, adapter, tuple(synced), sources)
+                self._rewrite_slot(slot, adapter, tuple(synced), sources, recurring)
             else:  # the slot holds another load of the adapter (other ranks, maybe): written whole
                 self._write_slot(slot, lora_id, adapter)
 
     def _rewrite_slot(self, slot: int, adapter: PEFTAdapter, synced: tuple[tuple[str, str], ...],
-                      sources: Sequence[torch.Tensor]) -> None:
+                      sources: Sequence[torch.Tensor], recurring: bool = False) -> None:
         """Overwrites the synced tensors' regions of `slot`, which holds the same load of the adapter (so the
         same ranks: the rows and columns past them stay zero, LoRALinear.slot_region), B scaled as it lands."""
         key = (slot, adapter.layout, synced)
@@ -139,11 +141,14 @@ class LoRAManager:
             if len(self._rewrites) >= _MAX_REWRITES:
                 self._rewrites.clear()
             plan = self._rewrites[key] = self._plan_rewrite(slot, adapter, synced)
-        a_srcs = [sources[i] if shard is None else shard(sources[i]) for i, shard in plan.a_srcs]
-        b_srcs = [sources[i] if shard is None else shard(sources[i]) for i, shard in plan.b_srcs]
+        a_srcs, b_srcs = plan.sources_of(sources, keep=recurring)
         if a_srcs:
             torch._foreach_copy_(plan.a_dsts, a_srcs)
-        if b_srcs:  # scaled in float32, then cast into the slot: what set_slot writes from the host copy
+        if b_srcs and plan.scale_in_place:  # the same values as below, with no temporaries (see _SlotRewrite)
+            torch._foreach_copy_(plan.b_dsts, b_srcs)
+            if plan.b_scales != 1.0:
+                torch._foreach_mul_(plan.b_dsts, plan.b_scales)
+        elif b_srcs:  # scaled in float32, then cast into the slot: what set_slot writes from the host copy
             torch._foreach_copy_(plan.b_dsts, torch._foreach_mul(b_srcs, plan.b_scales))
         self.num_slot_loads += 1
 
@@ -166,6 +171,8 @@ class LoRAManager:
                 scales.append(weights.scaling)
         # One scalar when all modules share it (the usual adapter): the simplest multi-tensor launch.
         plan.b_scales = scales[0] if len(set(scales)) == 1 else scales
+        slot_dtype = plan.b_dsts[0].dtype if plan.b_dsts else torch.float32
+        plan.scale_in_place = isinstance(plan.b_scales, float) and (slot_dtype == torch.float32 or plan.b_scales == 1.0)
         return plan
 
     def checksums(self) -> dict[str, str]:
@@ -248,10 +255,29 @@ _MAX_REWRITES = 16  # slot-rewrite plans kept (one per slot and recurring sync o
 @dataclass
 class _SlotRewrite:
     """Where one recurring sync's tensors land in one slot: the regions (views of the layers' stacked tensors)
-    and, per region, the position of its source among the synced tensors and this rank's cut of it (None: whole)."""
+    and, per region, the position of its source among the synced tensors and this rank's cut of it (None: whole).
+
+    B lands scaled. scale_in_place: copied, then multiplied where it landed, with no temporaries, which gives the
+    same values as scaling in float32 before the cast because the copy is exact (a float32 slot) or the scale is 1.
+    (Not so for a power of two into bfloat16: values below bfloat16's normal range round differently.) Else each B
+    is scaled into a temporary first."""
 
     a_dsts: list[torch.Tensor]
     a_srcs: list[tuple[int, Callable | None]]
     b_dsts: list[torch.Tensor]
     b_srcs: list[tuple[int, Callable | None]]
     b_scales: float | list[float]  # each B's scaling (PEFT's lora_alpha / rank), one float when all are equal
+    scale_in_place: bool = False
+    # The last `sources` list resolved (a recurring sync stages into the same views every time): it, and its
+    # A and B lists in region order, so that a repeat costs no per-tensor work here.
+    _resolved: tuple[Sequence[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def sources_of(self, sources: Sequence[torch.Tensor], keep: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The A and B sources of the regions, in region order (this rank's cut of each); keep: remember them
+        for the same `sources` list (held meanwhile, so its identity is not reused)."""
+        if self._resolved is not None and self._resolved[0] is sources:
+            return self._resolved[1], self._resolved[2]
+        a_srcs = [sources[i] if shard is None else shard(sources[i]) for i, shard in self.a_srcs]
+        b_srcs = [sources[i] if shard is None else shard(sources[i]) for i, shard in self.b_srcs]
+        self._resolved = (sources, a_srcs, b_srcs) if keep else None
+        return a_srcs, b_srcs

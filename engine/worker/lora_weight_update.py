@@ -31,10 +31,12 @@ returns (PEFTAdapter.pending: host readers wait for it). On CPU the buffer is th
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -123,10 +125,42 @@ class _CallPlan:
 
 
 @dataclass
+class _HostCopy:
+    """One of a recurring call's two host copies of its adapter: a float32 buffer laid out by the plan (pinned on
+    CUDA; on CPU also the call's staging) and the PEFTAdapter whose tensors are views of it, both made once."""
+
+    flat: torch.Tensor  # [plan.numel] float32 on the host
+    views: list[torch.Tensor]  # plan.views(flat)
+    adapter: PEFTAdapter  # the adapter as loaded, every tensor replaced by its view (no pending copy)
+
+
+@dataclass
+class _Recurring:
+    """The buffers of a recurring call that carries a whole adapter (every sync of a training run), made once.
+
+    Its two host copies take turns: one is the adapter serving now (the manager's host copy), the next sync fills
+    the other. On CPU a host copy is the staging itself; on CUDA one device staging buffer feeds both, and a fill
+    of it first waits (on the device) for the host copy last made out of it."""
+
+    layout: object  # PEFTAdapter.layout of the load it was made for
+    plan: _CallPlan
+    copies: tuple[_HostCopy, _HostCopy]
+    staging: torch.Tensor | None = None  # CUDA: [plan.numel] float32 on the device
+    staging_views: list[torch.Tensor] | None = None
+    copied: Any = None  # CUDA: a torch.cuda.Event that passes once the last host copy out of `staging` is done
+
+    def next_copy(self, serving: PEFTAdapter) -> _HostCopy:
+        """The host copy that is not the adapter serving now."""
+        return self.copies[1] if serving.modules is self.copies[0].adapter.modules else self.copies[0]
+
+
+@dataclass
 class _StagedCall:
     plan: _CallPlan
     flat: torch.Tensor  # [plan.numel] float32 on the slots' device: the call's tensors as received
     views: list[torch.Tensor]  # plan.views(flat)
+    recurring: _Recurring | None = None  # the call staged into a recurring call's buffers (flat is one of them)
+    host: _HostCopy | None = None  # ... and becomes this host copy at commit
 
 
 @dataclass
@@ -147,6 +181,7 @@ class LoRAWeightUpdater:
         self._staged: dict[int, _Staged] = {}  # lora_int_id -> the adapter's tensors of this update
         self._plans: dict[Hashable, _CallPlan] = {}  # (layout, names, dtypes, shapes) -> the call, checked
         self._checked: dict[Hashable, _CallPlan] = {}  # (layout, reuse_key) -> the plan of a call whose views passed
+        self._recurring: dict[int, _Recurring] = {}  # lora_int_id -> its recurring call's buffers
         self._copy_stream = None  # CUDA: the side stream of the host copies made at commit
         # Held for a whole call: two calls staging at once would each add to the same old adapter, and the
         # later one would drop the earlier one's tensors. Uncontended in an engine process (calls arrive in turn).
@@ -182,9 +217,14 @@ class LoRAWeightUpdater:
                 plan = self._plan(base, lora.lora_name, info)
             except ValueError as e:
                 raise ValueError(f"adapter update rejected, nothing was changed: {e}") from None
-        call, problems = self._receive(engine, info, plan, base, lora.lora_name, trusted)
+        # The first call of an adapter in an update stages into its recurring buffers (when it carries the whole
+        # adapter); a later one would overwrite them, so the first is moved out of them then (a rare update).
+        recurring = self._recurring_for(lora.lora_int_id, plan, base) if staged is None else None
+        call, problems = self._receive(engine, info, plan, base, lora.lora_name, trusted, recurring)
         if problems:
             raise ValueError(f"adapter update rejected, nothing was changed: {'; '.join(problems[:_MAX_SHOWN])}")
+        if staged is not None and staged.calls[0].recurring is not None:
+            staged.calls[0] = _own_buffer(staged.calls[0])
         if repeat is not None and not trusted:
             if len(self._checked) >= _MAX_PLANS:
                 self._checked.clear()
@@ -205,13 +245,47 @@ class LoRAWeightUpdater:
             plan = self._plans[key] = _CallPlan.build(info.names, info.shapes)
         return plan
 
+    def _recurring_for(self, lora_id: int, plan: _CallPlan, base: PEFTAdapter) -> _Recurring | None:
+        """The recurring buffers of a call `plan` of this load of the adapter, made now if need be; None when the
+        call does not carry every tensor of the adapter (its other tensors would be the buffers' stale values)."""
+        recurring = self._recurring.get(lora_id)
+        if recurring is not None and recurring.layout is base.layout and recurring.plan is plan:
+            return recurring
+        self._recurring.pop(lora_id, None)  # another load, or another call: its buffers go
+        whole = {(module, which) for module in base.modules for which in "AB"}
+        if len(plan.targets) != len(whole) or set(plan.targets) != whole:
+            return None
+        device = self.manager.device
+        copies = []
+        for _ in range(2):
+            flat = torch.empty(plan.numel, dtype=torch.float32, pin_memory=device.type == "cuda")
+            views = plan.views(flat)
+            copies.append(_HostCopy(flat, views, dataclasses.replace(base.replaced(plan.targets, views), pending=None)))
+        recurring = _Recurring(base.layout, plan, tuple(copies))
+        if device.type == "cuda":
+            recurring.staging = torch.empty(plan.numel, dtype=torch.float32, device=device)
+            recurring.staging_views = plan.views(recurring.staging)
+        self._recurring[lora_id] = recurring
+        return recurring
+
     def _receive(self, engine: WeightTransferEngine, info: WeightUpdateInfo, plan: _CallPlan, base: PEFTAdapter,
-                 lora_name: str, trusted: bool = False) -> tuple[_StagedCall, list[str]]:
+                 lora_name: str, trusted: bool = False,
+                 recurring: _Recurring | None = None) -> tuple[_StagedCall, list[str]]:
         """The call's tensors copied into float32 staging on the slots' device (a backend may reuse its buffers
         once the next is pulled), the stream read to its end; and what was wrong with what arrived (trusted: the
-        views are those checked before, so only their values are)."""
-        flat = torch.empty(plan.numel, dtype=torch.float32, device=self.manager.device)
-        views = plan.views(flat)
+        views are those checked before, so only their values are). The staging is the recurring buffers' when
+        given (the host copy that does not serve now, or on CUDA the device staging), else a new buffer."""
+        host = None
+        if recurring is None:
+            flat = torch.empty(plan.numel, dtype=torch.float32, device=self.manager.device)
+            views = plan.views(flat)
+        elif recurring.staging is not None:  # CUDA: overwritten once the last host copy out of it is done
+            if recurring.copied is not None:
+                torch.cuda.current_stream(recurring.staging.device).wait_event(recurring.copied)
+            flat, views, host = recurring.staging, recurring.staging_views, recurring.next_copy(base)
+        else:
+            host = recurring.next_copy(base)
+            flat, views = host.flat, host.views
         problems: list[str] = []
         received: list[str | None] = []  # the names delivered, in order
         name = None
@@ -252,17 +326,42 @@ class LoRAWeightUpdater:
         if not problems and not bool(finite):  # the call's one host sync; the exact check names the tensors
             problems += [f"{n!r}: contains NaN or inf" for n, t in zip(plan.names, views)
                          if t.numel() and not bool(torch.isfinite(t).all())]
-        return _StagedCall(plan, flat, views), problems
+        return _StagedCall(plan, flat, views, recurring, host), problems
 
     def commit(self) -> list[int]:
         """Every staged adapter serves its new tensors (between steps); the lora_int_ids committed."""
         committed = []
         for lora_id, staged in self._staged.items():
-            synced, sources, hosts, pending = self._host_copies(staged.calls)
-            self.manager.install(staged.lora, staged.base.replaced(synced, hosts, pending), synced, sources)
+            call = staged.calls[0]
+            if len(staged.calls) == 1 and call.recurring is not None:
+                self._install_recurring(staged.lora, call)
+            else:
+                synced, sources, hosts, pending = self._host_copies(staged.calls)
+                self.manager.install(staged.lora, staged.base.replaced(synced, hosts, pending), synced, sources)
             committed.append(lora_id)
         self._staged = {}
         return committed
+
+    def _install_recurring(self, lora: LoRARequest, call: _StagedCall) -> None:
+        """A recurring call's host copy becomes the adapter, its tensors and PEFTAdapter made once: no per-tensor
+        work here. CUDA: the host copy is one copy of the device staging on the side stream (as _host_copies)."""
+        adapter = call.host.adapter
+        if call.recurring.staging is not None:
+            side = self._side_stream(call.flat.device)
+            with torch.cuda.stream(side):
+                call.host.flat.copy_(call.flat, non_blocking=True)
+            pending = torch.cuda.Event()
+            pending.record(side)
+            call.recurring.copied = pending
+            adapter = dataclasses.replace(adapter, pending=pending)
+        self.manager.install(lora, adapter, call.plan.targets, call.views, recurring=True)
+
+    def _side_stream(self, device: torch.device):
+        """The side stream of the host copies, behind everything queued on the device so far."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(device))
+        return self._copy_stream
 
     def _host_copies(self, calls: list[_StagedCall]):
         """(module, which) per synced tensor, its staged values, its host copy, and the event the host copies
@@ -272,10 +371,7 @@ class LoRAWeightUpdater:
         hosts = [call.views for call in calls]
         device = calls[0].flat.device
         if device.type == "cuda":
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(device)
-            side = self._copy_stream
-            side.wait_stream(torch.cuda.current_stream(device))
+            side = self._side_stream(device)
             hosts = []
             with torch.cuda.stream(side):
                 for call in calls:
@@ -285,6 +381,9 @@ class LoRAWeightUpdater:
                     hosts.append(call.plan.views(host))
             pending = torch.cuda.Event()
             pending.record(side)
+            for call in calls:  # a recurring staging read here is overwritten only once this copy is done
+                if call.recurring is not None:
+                    call.recurring.copied = pending
         if len(calls) == 1:
             return calls[0].plan.targets, calls[0].views, hosts[0], pending
         merged: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -293,12 +392,20 @@ class LoRAWeightUpdater:
         return tuple(merged), [v for v, _ in merged.values()], [h for _, h in merged.values()], pending
 
     def discard(self, lora_id: int | None = None) -> bool:
-        """Drops the staged tensors (of one adapter when given, e.g. one removed mid-update); True if there were any."""
+        """Drops the staged tensors (of one adapter when given, e.g. one removed mid-update, with its recurring
+        buffers); True if there were any."""
         if lora_id is not None:
+            self._recurring.pop(lora_id, None)
             return self._staged.pop(lora_id, None) is not None
         had = bool(self._staged)
         self._staged = {}
         return had
+
+
+def _own_buffer(call: _StagedCall) -> _StagedCall:
+    """The staged call with its tensors moved out of the recurring buffers into a buffer of its own."""
+    flat = call.flat.clone()
+    return _StagedCall(call.plan, flat, call.plan.views(flat))
 
 
 def _group_sizes(engine: WeightTransferEngine, info: WeightUpdateInfo) -> list[int]:

@@ -233,3 +233,43 @@ def test_a_repeated_call_is_checked_for_values_and_huge_finite_values_pass(manag
     updater.commit()
     host = _host_values(manager, lora)
     assert all(torch.equal(host[n], t) for n, t in zip(huge["names"], huge["tensors"]))
+
+
+def test_recurring_syncs_take_turns_in_two_buffers_and_never_touch_what_serves(manager, adapters):
+    """A call carrying the whole adapter stages into buffers made once, in turn: whatever is staged (then committed,
+    discarded, or joined by a second call of the same update) the serving host copy and slot change only at commit."""
+    lora = adapters["all"]
+    updater = LoRAWeightUpdater(manager, _Target(_ReusingEngine(group=5)))
+    sent = {}
+    for seed in (12, 13, 14):
+        call = _call(manager, lora, seed=seed, dtype=torch.float32)
+        updater.update(call, lora)
+        updater.commit()
+        sent = dict(zip(call["names"], call["tensors"]))
+        assert _same(_host_values(manager, lora), sent)
+        _assert_slot_is_the_host_copys(manager, lora)
+    buffers = {id(c.flat) for c in updater._recurring[lora.lora_int_id].copies}
+    assert len(buffers) == 2  # the same two buffers all along
+
+    serving, slots = _host_values(manager, lora), _slots(manager)
+    for seed in (15, 16):  # staged into the buffer that does not serve, then dropped
+        updater.update(_call(manager, lora, seed=seed, dtype=torch.float32), lora)
+        assert _same(_host_values(manager, lora), serving)
+        assert all(torch.equal(a, b) for a, b in zip(slots, _slots(manager)))
+        updater.discard()
+    first = _call(manager, lora, seed=17, dtype=torch.float32)
+    second = _call(manager, lora, seed=18, dtype=torch.float32, only="lora_B")
+    updater.update(first, lora)  # into a recurring buffer ...
+    updater.update(second, lora)  # ... moved out of it by the update's second call
+    updater.commit()
+    want = dict(zip(first["names"], first["tensors"])) | dict(zip(second["names"], second["tensors"]))
+    assert _same(_host_values(manager, lora), want)
+    for seed in (19, 20):  # recurring syncs after it leave its values alone until they commit
+        call = _call(manager, lora, seed=seed, dtype=torch.float32)
+        updater.update(call, lora)
+        assert _same(_host_values(manager, lora), want)
+        updater.commit()
+        want = dict(zip(call["names"], call["tensors"]))
+        assert _same(_host_values(manager, lora), want)
+        _assert_slot_is_the_host_copys(manager, lora)
+    assert {id(c.flat) for c in updater._recurring[lora.lora_int_id].copies} == buffers
