@@ -424,6 +424,14 @@ class WeightSource(ABC):
         """(name, this rank's local piece) in metadata order; no communication."""
         raise NotImplementedError(f"{type(self).__name__} does not implement iter_local")
 
+    def plain_tensors(self) -> list[tuple[str, torch.Tensor]] | None:
+        """What iter_full yields, as one list that is the same object on every call while the source holds the
+        same tensors (their values change in place: a training step's), when each is a plain tensor yielded as
+        it is (no gather, no cast); None otherwise, and always for a subclass that yields otherwise (its own
+        iter_full). A sender may then plan a recurring sync once (ipc). The tensors may be parameters that require
+        grad: read them under torch.no_grad()."""
+        return None
+
 
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 
@@ -513,6 +521,7 @@ class StateDictSource(WeightSource):
     def __init__(self, tensors, *, dtype: torch.dtype | None = None) -> None:
         items = tensors.items() if hasattr(tensors, "items") else tensors
         self.tensors = [(n, t.detach() if dtype is None else t.detach().to(dtype)) for n, t in items]
+        self._plain: bool | None = None
 
     def _metadata(self) -> list[ParamMeta]:
         return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors]
@@ -522,6 +531,12 @@ class StateDictSource(WeightSource):
 
     def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.iter_full()
+
+    def plain_tensors(self) -> list[tuple[str, torch.Tensor]] | None:
+        if self._plain is None:  # decided once: the list and its tensors' kinds do not change
+            self._plain = (type(self).iter_full is StateDictSource.iter_full
+                           and not any(_is_dtensor(t) for _, t in self.tensors))
+        return self.tensors if self._plain else None
 
 
 def as_source(source: "WeightSource | nn.Module | dict") -> WeightSource:

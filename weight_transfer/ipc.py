@@ -668,6 +668,34 @@ class _InFlight:
     first_name: str
 
 
+@dataclass
+class _PlannedFill:
+    """A one-pack sync of a source's fixed tensor list into one buffer, planned once: a fill is one multi-tensor
+    copy from the list's tensors into their views, and the update_info is the same but for its seq."""
+
+    pairs: list[tuple[str, torch.Tensor]]  # the source's list (held, so that its identity is not reused)
+    pack: packing.Pack
+    buffer: _Buffer
+    dsts: list[torch.Tensor]  # the tensors' views into the buffer
+    srcs: list[torch.Tensor]  # the list's tensors, as checked against the metadata
+    specs: list[tuple[torch.dtype, torch.Size]]  # their dtypes and shapes then
+    names: list[str]
+    update_info: dict  # but "slot" and "seq" (_call_layout)
+
+    def fill(self, buffer: _Buffer) -> None:
+        """The tensors' current values into the buffer; complete on return. A tensor whose dtype or shape changed
+        since the plan (its .data replaced) is refused, naming it, before anything is copied."""
+        specs = [(t.dtype, t.shape) for t in self.srcs]
+        if specs != self.specs:
+            i = next(i for i, (now, then) in enumerate(zip(specs, self.specs)) if now != then)
+            raise ValueError(f"source: {self.names[i]!r} is now {specs[i][0]} {list(specs[i][1])}, "
+                             f"not the {self.specs[i][0]} {list(self.specs[i][1])} of the metadata")
+        with torch.no_grad():  # a source's tensors may be parameters that require grad
+            torch._foreach_copy_(self.dsts, self.srcs)
+        if buffer.tensor.is_cuda:  # `ready` must not be set before the device copies are done
+            torch.cuda.current_stream(buffer.tensor.device).synchronize()
+
+
 class _PeekedSource:
     """iter_full() with the next item visible: the buffers' device is that of the first tensor."""
 
@@ -709,6 +737,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         self._closed = False
         self.num_exports = 0  # buffers exported so far (each costs an export here and an open in the engine)
         self._plans: list[tuple[list[ParamMeta], tuple]] = []  # _plan's: (a source's metadata, its plan)
+        self._planned_fills: list[_PlannedFill] = []  # _planned's, the last two
 
     # ---- set-up ----------------------------------------------------------------------------------
 
@@ -784,6 +813,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         (pack,) = packs
         control = self._require_control()
         exports_before = self.num_exports
+        pairs = source.plain_tensors()
         items = _PeekedSource(iter(source.iter_full()))
         control.set_aborted(False)
         wait = None
@@ -793,10 +823,14 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
             # that one-call syncs export and open one buffer, not one per ring slot.
             slot = self.config.packed_num_buffers if pack.nbytes > self.config.packed_buffer_size_bytes else 0
             buffer = self._buffer(slot, pack.nbytes, self._buffer_device(items))
-            update_info = self._update_info(pack, tensor_list, slot, buffer)
+            planned = self._planned(pairs, pack, buffer, metas, tensor_list) if pairs is not None else None
+            update_info = self._update_info(pack, tensor_list, slot, buffer, planned)
             where = f"the pack starting at {metas[pack.slots[0].index].name!r}"
             wait = post(update_info)
-            self._fill(buffer, pack, metas, items)
+            if planned is not None:
+                planned.fill(buffer)
+            else:
+                self._fill(buffer, pack, metas, items)
             control.set_ready(slot, update_info["seq"])
             where = "the engine's apply_weight_update"
             wait()
@@ -822,15 +856,42 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         stats.extra.update(num_packs=len(packs), buffer_ids=self.buffer_ids, num_exports=self.num_exports - exports_before)
         return stats
 
-    def _update_info(self, pack: packing.Pack, tensor_list: dict, slot: int, buffer: _Buffer) -> dict:
-        """The update_info of the pack's next fill of `slot`'s buffer (a fresh seq)."""
+    def _planned(self, pairs: list[tuple[str, torch.Tensor]], pack: packing.Pack, buffer: _Buffer,
+                 metas: list[ParamMeta], tensor_list: dict) -> _PlannedFill | None:
+        """The planned fill of a source's fixed tensor list (WeightSource.plain_tensors) into `buffer`, checked
+        against the metadata and made once per (list, pack, buffer); None for a list of tensors on several devices."""
+        for planned in self._planned_fills:
+            if planned.pairs is pairs and planned.pack is pack and planned.buffer is buffer:
+                return planned
+        srcs = []
+        for meta, (name, tensor) in zip(metas, pairs, strict=True):
+            if name != meta.name or tensor.dtype != meta.dtype or tensor.shape != meta.shape:
+                raise ValueError(
+                    f"source: iter_full yielded {name!r} {tensor.dtype} {list(tensor.shape)} where the metadata has "
+                    f"{meta.name!r} {meta.dtype} {list(meta.shape)}"
+                )
+            srcs.append(tensor)
+        if any(t.device != buffer.tensor.device for t in srcs):
+            return None
+        planned = _PlannedFill(pairs, pack, buffer, buffer.views_for(pack, metas), srcs,
+                               [(t.dtype, t.shape) for t in srcs], [m.name for m in metas],
+                               self._call_layout(pack, tensor_list, buffer))
+        self._planned_fills = [planned, *self._planned_fills[:1]]  # a model's and its adapter's
+        return planned
+
+    def _update_info(self, pack: packing.Pack, tensor_list: dict, slot: int, buffer: _Buffer,
+                     planned: _PlannedFill | None = None) -> dict:
+        """The update_info of the pack's next fill of `slot`'s buffer (a fresh seq); a planned fill's made once."""
         seq = self._next_seq
         self._next_seq += 1
+        return {**(planned.update_info if planned is not None else self._call_layout(pack, tensor_list, buffer)),
+                "slot": slot, "seq": seq}
+
+    def _call_layout(self, pack: packing.Pack, tensor_list: dict, buffer: _Buffer) -> dict:
+        """An update_info's parts that stay while the pack and buffer do: the tensors, the buffer size, the buffer."""
         return {
             **{key: [values[s.index] for s in pack.slots] for key, values in tensor_list.items()},
             "buffer_size": self.config.packed_buffer_size_bytes,
-            "slot": slot,
-            "seq": seq,
             "buffer": {buffer.key: buffer.descriptor},
         }
 
@@ -1008,6 +1069,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
     def _free(self, buffer: _Buffer) -> None:
         """Lets a buffer go. The engine must have released it (finish/shutdown) or never opened it."""
         self._buffers.pop(buffer.slot, None)
+        self._planned_fills = [p for p in self._planned_fills if p.buffer is not buffer]  # they hold its views
         control = self._control
         opened = control is not None and control.opened(buffer.slot) >= buffer.gen
         if buffer.cuda_ref is not None and not opened:

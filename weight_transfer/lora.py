@@ -46,6 +46,7 @@ class AdapterSource(WeightSource):
         self.lora_name = lora_name
         self.dtype = dtype
         self._tensors = tensors  # (saved name, parameter or tensor): read at every pass
+        self._plain: bool | None = None  # plain_tensors: whether the list is yielded as it is
 
     def _metadata(self) -> list[ParamMeta]:
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -64,6 +65,12 @@ class AdapterSource(WeightSource):
     def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in self._tensors:
             yield name, self._cast(t.to_local() if _is_dtensor(t) else t)
+
+    def plain_tensors(self) -> list[tuple[str, torch.Tensor]] | None:
+        if self._plain is None:  # decided once: the list and its tensors' kinds do not change
+            self._plain = (type(self).iter_full is AdapterSource.iter_full and self.dtype is None
+                           and not any(_is_dtensor(t) for _, t in self._tensors))
+        return self._tensors if self._plain else None
 
     @property
     def num_bytes(self) -> int:

@@ -6,7 +6,7 @@ import functools
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -245,6 +245,8 @@ class LoRAManager:
     def _free_slot(self, slot: int) -> None:
         for layer in self.layers.values():
             layer.clear_slot(slot)
+        # Its rewrite plans are for the adapter leaving it, and may hold that adapter's sync buffers (sources_of).
+        self._rewrites = {key: plan for key, plan in self._rewrites.items() if key[0] != slot}
         self._slot_ids[slot] = 0
         self._slot_layouts[slot] = None
 
@@ -268,16 +270,19 @@ class _SlotRewrite:
     b_srcs: list[tuple[int, Callable | None]]
     b_scales: float | list[float]  # each B's scaling (PEFT's lora_alpha / rank), one float when all are equal
     scale_in_place: bool = False
-    # The last `sources` list resolved (a recurring sync stages into the same views every time): it, and its
-    # A and B lists in region order, so that a repeat costs no per-tensor work here.
-    _resolved: tuple[Sequence[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None = None
+    # The last two `sources` lists kept (a recurring sync stages into the same views each time, or into two sets
+    # in turn): each with its A and B lists in region order, so that a repeat costs no per-tensor work here.
+    _resolved: list[tuple[Sequence[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = field(
+        default_factory=list)
 
     def sources_of(self, sources: Sequence[torch.Tensor], keep: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The A and B sources of the regions, in region order (this rank's cut of each); keep: remember them
         for the same `sources` list (held meanwhile, so its identity is not reused)."""
-        if self._resolved is not None and self._resolved[0] is sources:
-            return self._resolved[1], self._resolved[2]
+        for kept, a_srcs, b_srcs in self._resolved:
+            if kept is sources:
+                return a_srcs, b_srcs
         a_srcs = [sources[i] if shard is None else shard(sources[i]) for i, shard in self.a_srcs]
         b_srcs = [sources[i] if shard is None else shard(sources[i]) for i, shard in self.b_srcs]
-        self._resolved = (sources, a_srcs, b_srcs) if keep else None
+        if keep:
+            self._resolved = [(sources, a_srcs, b_srcs), *self._resolved[:1]]
         return a_srcs, b_srcs
