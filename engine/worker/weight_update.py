@@ -107,6 +107,7 @@ class WeightUpdater:
         self._rollback = WeightRollback(rollback, lambda hf_name: updater().layout[hf_name].tensor())
         self._plans: dict[Hashable, LandingPlan] = {}  # reuse_key -> how that recurring call lands
         self._plans_for: tuple[int, ...] = ()  # the parameter addresses the plans' views point into
+        self._plans_checked = False  # whether the update in progress checked those addresses yet
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -155,9 +156,7 @@ class WeightUpdater:
         if self.updating:
             raise WeightUpdateStateError("start_weight_update: a weight update is already in progress; call finish_weight_update first")
         engine.start_update()
-        addresses = tuple(slot.param.data_ptr() for slot in self.layout.values())
-        if addresses != self._plans_for:  # the weights moved (sleep and wake_up): the plans' views are stale
-            self._plans, self._plans_for = {}, addresses
+        self._plans_checked = False  # by the update's first call that lands weights (an adapter's update has none)
         self._rollback.clear()
         self._written_in_update = set()
         self.updating = True
@@ -169,6 +168,11 @@ class WeightUpdater:
         if not self.updating:
             raise WeightUpdateStateError("update_weights: no weight update in progress; call start_weight_update first")
         self._require_resident("update_weights")
+        if not self._plans_checked:
+            addresses = tuple(slot.param.data_ptr() for slot in self.layout.values())
+            if addresses != self._plans_for:  # the weights moved (sleep and wake_up): the plans' views are stale
+                self._plans, self._plans_for = {}, addresses
+            self._plans_checked = True
         info = engine.parse_update_info(update_info)
         whole_call = engine.views_stable_per_call
         reused = self._plans.get(info.reuse_key) if whole_call and info.reuse_key is not None else None
