@@ -88,6 +88,7 @@ _MAX_SLOTS = 64  # ring buffers + the oversize buffer; fixes the control block's
 _MAX_VIEW_SETS = 16  # per buffer: the distinct packs it carries (one per sync layout in practice)
 _FILL_BATCH_BYTES = 256 << 20  # source bytes per multi-tensor copy into a buffer
 _MAX_HANDLE_BYTES = 4096  # a CUDA IPC handle is 64 bytes; allow for longer formats, refuse garbage
+_SHORT_WAIT_S = 2e-3  # the engine polls a fill's ready word at its shortest sleep for this long
 
 
 # =======================================================================================
@@ -530,10 +531,14 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         """Returns once the trainer marked fill `seq` of `slot` complete; raises on abort, protocol error or timeout."""
         timeout_s = self._settings.timeout_s  # set with the control block
         where = f"ipc: buffer slot {slot} (pack {seq}, first tensor {first_name!r})"
-        deadline = time.monotonic() + timeout_s
+        now = time.monotonic()
+        deadline = now + timeout_s
         # Short sleeps: a pack takes the trainer well under a millisecond to fill on a GPU, and a long
-        # back-off would add its overshoot to every sync; the engine has nothing else to do meanwhile.
+        # back-off would add its overshoot to every sync (a call posted before its fill, as every one is,
+        # usually arrives first); the engine has nothing else to do meanwhile. The shortest for the first
+        # _SHORT_WAIT_S, then backing off.
         delay = 5e-5
+        short_until = now + _SHORT_WAIT_S
         while True:
             if control.aborted:
                 raise RuntimeError(f"{where}: the trainer abandoned the sync")
@@ -549,7 +554,8 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
                 logger.warning("%s", message)
                 raise TimeoutError(message)
             time.sleep(delay)
-            delay = min(delay * 2, 5e-4)
+            if time.monotonic() > short_until:
+                delay = min(delay * 2, 5e-4)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
