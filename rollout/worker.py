@@ -23,6 +23,7 @@ A trainer driver runs workers as Ray actors and syncs them all through one clien
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import threading
 from typing import TYPE_CHECKING, Any, AsyncIterator, Coroutine, Sequence, TypeVar
@@ -151,13 +152,17 @@ class RolloutWorker:
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Runs `coro` on the worker's loop and waits for it (from any thread but that loop's)."""
+        return self._start(coro).result()
+
+    def _start(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Starts `coro` on the worker's loop; its Future answers (wait on it from any thread but that loop's)."""
         if self._closed:
             coro.close()
             raise RuntimeError("the RolloutWorker is shut down")
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("a sync RolloutWorker method was called from its own event loop; await the async form")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     async def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
         """Awaits `coro` on the worker's loop from the caller's loop (cancelling it cancels the request)."""
@@ -294,6 +299,11 @@ class RolloutWorker:
     def _forward_control(self, declared: Control, args: tuple) -> Any:
         """The engine's (AsyncLLM's or RolloutGroup's) control of the same name, run on the worker's loop."""
         return self._run(getattr(self.engine, declared.name)(*args))
+
+    def _start_control(self, name: str, args: tuple) -> concurrent.futures.Future:
+        """The control `name` (arguments in declared order) started on the worker's loop, its Future at once: for a
+        weight-sync client in this process (LocalWeightSyncClient.submit), with no thread of its own to wait in."""
+        return self._start(getattr(self.engine, name)(*args))
 
     def get_metrics_snapshot(self) -> dict:
         return self.engine.get_metrics_snapshot()

@@ -674,10 +674,7 @@ class TrainerWeightTransferEngine(ABC, Generic[TrainerInitT]):
         waiting: list[float] = []  # when the sender began waiting for the one call (once posted, it may hold an update)
 
         def post(update_info: Any) -> Callable[[], None]:
-            # Imported here: clients.py (the trainer's side) is not needed by the engine, which imports this module.
-            from weight_transfer.clients import call_in_background
-
-            future = call_in_background(self.client.apply_weight_update, update_info, weight_version)
+            future = self.client.submit("apply_weight_update", update_info, weight_version)
             waiting.append(0.0)
 
             def wait() -> None:

@@ -60,6 +60,22 @@ class WeightSyncClient(ABC):
     def _forward_control(self, declared: Control, args: tuple) -> Any:
         return self._call(declared.name, *plain_arguments(declared, args))
 
+    def submit(self, method: str, *args: Any) -> concurrent.futures.Future:
+        """Starts the control `method` (its arguments as its method takes them) and returns its Future at once:
+        for a sender that moves the data while the engine's call runs (an init or update call returns only
+        once the data has arrived). TypeError for arguments the control does not take."""
+        declared = CONTROLS[method]
+        return self._submit(method, *plain_arguments(declared, declared.bind(args, {})))
+
+    def _submit(self, method: str, *args: Any) -> concurrent.futures.Future:
+        """`_call(method, *args)` started: in a background thread (call_in_background), unless the client can
+        start the call without one."""
+        def call(*plain: Any) -> Any:
+            return self._call(method, *plain)
+
+        call.__name__ = method  # the thread is named after the call while it runs (call_in_background)
+        return call_in_background(call, *args)
+
     def num_engines(self) -> int:
         return 1
 
@@ -170,6 +186,10 @@ class LocalWeightSyncClient(WeightSyncClient):
     def _call(self, method: str, *args: Any) -> Any:
         return getattr(self.worker, method)(*args)
 
+    def _submit(self, method: str, *args: Any) -> concurrent.futures.Future:
+        start = getattr(self.worker, "_start_control", None)  # a RolloutWorker: straight onto its loop
+        return start(method, args) if start is not None else super()._submit(method, *args)
+
 
 class RayWeightSyncClient(WeightSyncClient):
     """RolloutWorker Ray actors, one per engine: every call fans out to all and waits for all.
@@ -247,7 +267,6 @@ class RayWeightSyncClient(WeightSyncClient):
         return combine_answers(declared, results,
                                lambda answers: WeightSyncError(f"{method}: engines disagree: {answers}"))
 
-
     def _apply_in_phases(self, request: Any, weight_version: str | None) -> None:
         """apply_weight_update over several engines: start, update_weights and finish, each on every actor at once,
         and finish only once every actor landed the update (else it is aborted on all): all of them serve it or none.
@@ -285,6 +304,13 @@ class ModelWeightSyncClient(WeightSyncClient):
         return self.client.engine_world_sizes()
 
     def _call(self, method: str, *args: Any) -> Any:
+        return self.client._call(method, *self._aim(method, args))
+
+    def _submit(self, method: str, *args: Any) -> concurrent.futures.Future:
+        return self.client._submit(method, *self._aim(method, args))
+
+    def _aim(self, method: str, args: tuple) -> tuple:
+        """The call's arguments aimed at this model."""
         names = CONTROLS[method].arg_names() if method in CONTROLS else []
         aimed = []
         for name, value in zip(names, args):
@@ -296,7 +322,7 @@ class ModelWeightSyncClient(WeightSyncClient):
                 value = ([{**v, "model": self.model} for v in value] if isinstance(value, list)
                          else {**value, "model": self.model})
             aimed.append(value)
-        return self.client._call(method, *aimed, *args[len(aimed):])
+        return (*aimed, *args[len(aimed):])
 
 
 class LoRAWeightSyncClient(WeightSyncClient):
@@ -322,11 +348,18 @@ class LoRAWeightSyncClient(WeightSyncClient):
         return self.client.engine_world_sizes()
 
     def _call(self, method: str, *args: Any) -> Any:
+        return self.client._call(method, *self._aim(method, args))
+
+    def _submit(self, method: str, *args: Any) -> concurrent.futures.Future:
+        return self.client._submit(method, *self._aim(method, args))
+
+    def _aim(self, method: str, args: tuple) -> tuple:
+        """The call's arguments aimed at this adapter."""
         if method in ("update_weights", "apply_weight_update"):  # plain here: a dict, or vLLM's list of one per worker
             request, *rest = args
             args = ([{**v, "lora_name": self.lora_name} for v in request] if isinstance(request, list)
                     else {**request, "lora_name": self.lora_name}, *rest)
-        return self.client._call(method, *args)
+        return args
 
 
 # ---------------------------------------------------------------------------------------

@@ -75,7 +75,6 @@ from weight_transfer.base import (
     WeightTransferEngine,
     WeightUpdateInfo,
 )
-from weight_transfer.clients import call_in_background
 from weight_transfer.messages import Message, NonEmptyStr, NonNegInt, TimeoutS, int_in, parse_message
 
 logger = logging.getLogger(__name__)
@@ -942,7 +941,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
                 update_info = self._update_info(pack, tensor_list, slot, buffer)
                 seq = update_info["seq"]
                 # Posted before the fill: the call's round trip overlaps the copy; the engine waits for `ready`.
-                future = call_in_background(self.client.update_weights, update_info)
+                future = self.client.submit("update_weights", update_info)
                 pending[slot] = _InFlight(future, slot, seq, first_name)
                 self._fill(buffer, pack, metas, items)
                 control.set_ready(slot, seq)

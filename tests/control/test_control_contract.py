@@ -38,7 +38,7 @@ NOT_CONTROLS = {
                    "elastic_ep_state", "engine_world_sizes", "admit", "check_admission", "is_dead", "check_health",
                    "prometheus_text", "get_metrics_snapshot", "shutdown"},
     RolloutWorker: {"as_ray_actor", "generate", "agenerate", "astream", "session", "get_metrics_snapshot", "shutdown"},
-    WeightSyncClient: {"num_engines", "engine_world_sizes", "for_model", "for_lora", "close"},
+    WeightSyncClient: {"num_engines", "engine_world_sizes", "for_model", "for_lora", "submit", "close"},
     HTTPRolloutEngine: {"generate", "agenerate", "weight_sync_client", "shutdown"},
     RayRolloutEngine: {"start", "generate", "agenerate", "weight_sync_client", "shutdown"},
 }

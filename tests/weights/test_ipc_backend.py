@@ -28,15 +28,17 @@ SMALL_BUFFER = 64 << 10  # the tiny llama's embedding and lm_head (~128 KiB) do 
 
 
 class RecordingClient(HTTPWeightSyncClient):
-    """The HTTP client, keeping a copy of every update_info it sends (to look at what crossed the wire)."""
+    """The HTTP client, keeping a copy of every update_info it sends (update_weights, or apply_weight_update for a
+    sync in one call) to look at what crossed the wire."""
 
     def __init__(self, url: str) -> None:
         super().__init__(url, timeout=120)
         self.update_infos: list[dict] = []
 
-    def update_weights(self, update_info: dict) -> None:
-        self.update_infos.append(copy.deepcopy(update_info))
-        super().update_weights(update_info)
+    def _call(self, method: str, *args):
+        if method in ("update_weights", "apply_weight_update"):
+            self.update_infos.append(copy.deepcopy(args[0]))
+        return super()._call(method, *args)
 
 
 class FaultySource(WeightSource):
