@@ -523,8 +523,11 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
             for pack_slot, view in zip(info.pack.slots, info.views):
                 yield info.names[pack_slot.index], view
         finally:
-            if buffer.is_cuda:  # the landing copies read the buffer: done before the trainer may refill it
-                torch.cuda.synchronize(buffer.device)
+            # The landing copies read the buffer on the current stream: done before the trainer may refill it.
+            # (That stream only: the device's other work, such as an adapter's host copy of the sync before on
+            # a side stream, has no part in this buffer.)
+            if buffer.is_cuda:
+                torch.cuda.current_stream(buffer.device).synchronize()
 
     def _wait_ready(self, control: _Control, slot: int, seq: int, first_name: str) -> None:
         """Returns once the trainer marked fill `seq` of `slot` complete; raises on abort, protocol error or timeout."""

@@ -125,33 +125,33 @@ class _CallPlan:
 
 
 @dataclass
-class _HostCopy:
-    """One of a recurring call's two host copies of its adapter: a float32 buffer laid out by the plan (pinned on
-    CUDA; on CPU also the call's staging) and the PEFTAdapter whose tensors are views of it, both made once."""
+class _Version:
+    """One of a recurring call's two versions of its adapter, made once: its staging (float32, laid out by the plan,
+    on the slots' device), its host copy and the PEFTAdapter whose tensors are views of that. On CPU the staging
+    is the host copy; on CUDA the host copy is pinned and filled from the staging on a side stream."""
 
-    flat: torch.Tensor  # [plan.numel] float32 on the host
-    views: list[torch.Tensor]  # plan.views(flat)
-    adapter: PEFTAdapter  # the adapter as loaded, every tensor replaced by its view (no pending copy)
+    staging: torch.Tensor  # [plan.numel] float32 on the slots' device
+    staging_views: list[torch.Tensor]  # plan.views(staging)
+    host: torch.Tensor  # [plan.numel] float32 on the host (CPU: staging itself)
+    adapter: PEFTAdapter  # the adapter as loaded, every tensor replaced by its view of `host` (no pending copy)
+    copied: Any = None  # CUDA: a torch.cuda.Event that passes once the last host copy out of `staging` is done
 
 
 @dataclass
 class _Recurring:
     """The buffers of a recurring call that carries a whole adapter (every sync of a training run), made once.
 
-    Its two host copies take turns: one is the adapter serving now (the manager's host copy), the next sync fills
-    the other. On CPU a host copy is the staging itself; on CUDA one device staging buffer feeds both, and a fill
-    of it first waits (on the device) for the host copy last made out of it."""
+    Its two versions take turns: one is the adapter serving now (the manager's host copy), the next sync stages
+    into the other. A sync thus never waits for the host copy the sync before it started (CUDA), and a fill of a
+    staging waits (on the device) only for the copy out of it two syncs ago."""
 
     layout: object  # PEFTAdapter.layout of the load it was made for
     plan: _CallPlan
-    copies: tuple[_HostCopy, _HostCopy]
-    staging: torch.Tensor | None = None  # CUDA: [plan.numel] float32 on the device
-    staging_views: list[torch.Tensor] | None = None
-    copied: Any = None  # CUDA: a torch.cuda.Event that passes once the last host copy out of `staging` is done
+    versions: tuple[_Version, _Version]
 
-    def next_copy(self, serving: PEFTAdapter) -> _HostCopy:
-        """The host copy that is not the adapter serving now."""
-        return self.copies[1] if serving.modules is self.copies[0].adapter.modules else self.copies[0]
+    def next_version(self, serving: PEFTAdapter) -> _Version:
+        """The version that is not the adapter serving now."""
+        return self.versions[1] if serving.modules is self.versions[0].adapter.modules else self.versions[0]
 
 
 @dataclass
@@ -159,8 +159,7 @@ class _StagedCall:
     plan: _CallPlan
     flat: torch.Tensor  # [plan.numel] float32 on the slots' device: the call's tensors as received
     views: list[torch.Tensor]  # plan.views(flat)
-    recurring: _Recurring | None = None  # the call staged into a recurring call's buffers (flat is one of them)
-    host: _HostCopy | None = None  # ... and becomes this host copy at commit
+    version: _Version | None = None  # the recurring version the call staged into (flat is its staging)
 
 
 @dataclass
@@ -223,7 +222,7 @@ class LoRAWeightUpdater:
         call, problems = self._receive(engine, info, plan, base, lora.lora_name, trusted, recurring)
         if problems:
             raise ValueError(f"adapter update rejected, nothing was changed: {'; '.join(problems[:_MAX_SHOWN])}")
-        if staged is not None and staged.calls[0].recurring is not None:
+        if staged is not None and staged.calls[0].version is not None:  # a second call: the first one moves out
             staged.calls[0] = _own_buffer(staged.calls[0])
         if repeat is not None and not trusted:
             if len(self._checked) >= _MAX_PLANS:
@@ -256,16 +255,17 @@ class LoRAWeightUpdater:
         if len(plan.targets) != len(whole) or set(plan.targets) != whole:
             return None
         device = self.manager.device
-        copies = []
+        versions = []
         for _ in range(2):
-            flat = torch.empty(plan.numel, dtype=torch.float32, pin_memory=device.type == "cuda")
-            views = plan.views(flat)
-            copies.append(_HostCopy(flat, views, dataclasses.replace(base.replaced(plan.targets, views), pending=None)))
-        recurring = _Recurring(base.layout, plan, tuple(copies))
-        if device.type == "cuda":
-            recurring.staging = torch.empty(plan.numel, dtype=torch.float32, device=device)
-            recurring.staging_views = plan.views(recurring.staging)
-        self._recurring[lora_id] = recurring
+            staging = torch.empty(plan.numel, dtype=torch.float32, device=device)
+            staging_views = plan.views(staging)
+            host, host_views = staging, staging_views
+            if device.type == "cuda":
+                host = torch.empty(plan.numel, dtype=torch.float32, pin_memory=True)
+                host_views = plan.views(host)
+            adapter = dataclasses.replace(base.replaced(plan.targets, host_views), pending=None)
+            versions.append(_Version(staging, staging_views, host, adapter))
+        recurring = self._recurring[lora_id] = _Recurring(base.layout, plan, tuple(versions))
         return recurring
 
     def _receive(self, engine: WeightTransferEngine, info: WeightUpdateInfo, plan: _CallPlan, base: PEFTAdapter,
@@ -274,18 +274,16 @@ class LoRAWeightUpdater:
         """The call's tensors copied into float32 staging on the slots' device (a backend may reuse its buffers
         once the next is pulled), the stream read to its end; and what was wrong with what arrived (trusted: the
         views are those checked before, so only their values are). The staging is the recurring buffers' when
-        given (the host copy that does not serve now, or on CUDA the device staging), else a new buffer."""
-        host = None
+        given (the version that does not serve now), else a new buffer."""
+        version = None
         if recurring is None:
             flat = torch.empty(plan.numel, dtype=torch.float32, device=self.manager.device)
             views = plan.views(flat)
-        elif recurring.staging is not None:  # CUDA: overwritten once the last host copy out of it is done
-            if recurring.copied is not None:
-                torch.cuda.current_stream(recurring.staging.device).wait_event(recurring.copied)
-            flat, views, host = recurring.staging, recurring.staging_views, recurring.next_copy(base)
         else:
-            host = recurring.next_copy(base)
-            flat, views = host.flat, host.views
+            version = recurring.next_version(base)
+            if version.copied is not None:  # CUDA: overwritten once the host copy out of it is done
+                torch.cuda.current_stream(version.staging.device).wait_event(version.copied)
+            flat, views = version.staging, version.staging_views
         problems: list[str] = []
         received: list[str | None] = []  # the names delivered, in order
         name = None
@@ -326,14 +324,14 @@ class LoRAWeightUpdater:
         if not problems and not bool(finite):  # the call's one host sync; the exact check names the tensors
             problems += [f"{n!r}: contains NaN or inf" for n, t in zip(plan.names, views)
                          if t.numel() and not bool(torch.isfinite(t).all())]
-        return _StagedCall(plan, flat, views, recurring, host), problems
+        return _StagedCall(plan, flat, views, version), problems
 
     def commit(self) -> list[int]:
         """Every staged adapter serves its new tensors (between steps); the lora_int_ids committed."""
         committed = []
         for lora_id, staged in self._staged.items():
             call = staged.calls[0]
-            if len(staged.calls) == 1 and call.recurring is not None:
+            if len(staged.calls) == 1 and call.version is not None:
                 self._install_recurring(staged.lora, call)
             else:
                 synced, sources, hosts, pending = self._host_copies(staged.calls)
@@ -343,17 +341,17 @@ class LoRAWeightUpdater:
         return committed
 
     def _install_recurring(self, lora: LoRARequest, call: _StagedCall) -> None:
-        """A recurring call's host copy becomes the adapter, its tensors and PEFTAdapter made once: no per-tensor
-        work here. CUDA: the host copy is one copy of the device staging on the side stream (as _host_copies)."""
-        adapter = call.host.adapter
-        if call.recurring.staging is not None:
-            side = self._side_stream(call.flat.device)
+        """A recurring call's version becomes the adapter, its tensors and PEFTAdapter made once: no per-tensor
+        work here. CUDA: its host copy is one copy of its staging on the side stream (as _host_copies)."""
+        version = call.version
+        adapter = version.adapter
+        if version.host is not version.staging:
+            side = self._side_stream(version.staging.device)
             with torch.cuda.stream(side):
-                call.host.flat.copy_(call.flat, non_blocking=True)
-            pending = torch.cuda.Event()
-            pending.record(side)
-            call.recurring.copied = pending
-            adapter = dataclasses.replace(adapter, pending=pending)
+                version.host.copy_(version.staging, non_blocking=True)
+            version.copied = torch.cuda.Event()
+            version.copied.record(side)
+            adapter = dataclasses.replace(adapter, pending=version.copied)
         self.manager.install(lora, adapter, call.plan.targets, call.views, recurring=True)
 
     def _side_stream(self, device: torch.device):
@@ -381,9 +379,6 @@ class LoRAWeightUpdater:
                     hosts.append(call.plan.views(host))
             pending = torch.cuda.Event()
             pending.record(side)
-            for call in calls:  # a recurring staging read here is overwritten only once this copy is done
-                if call.recurring is not None:
-                    call.recurring.copied = pending
         if len(calls) == 1:
             return calls[0].plan.targets, calls[0].views, hosts[0], pending
         merged: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}

@@ -128,3 +128,78 @@ def test_cuda_ipc_fresh_buffers_per_sync_and_a_failed_sync_restores(worker, chec
     finally:
         engine.shutdown()
     assert _allocated() == baseline
+
+
+@pytest.fixture(scope="module")
+def lora_worker(checkpoint):
+    """A bf16 engine process with LoRA on cuda:0: one device slot, rank up to 8."""
+    worker = RolloutWorker(checkpoint, multiprocess=True, device="cuda", dtype="bfloat16", max_model_len=128,
+                           kv_cache_memory_bytes=1 << 26, enable_lora=True, max_loras=1, max_lora_rank=8)
+    yield worker
+    worker.shutdown()
+
+
+def test_cuda_ipc_adapter_syncs_in_one_call_land_bit_identical(lora_worker, checkpoint, tmp_path):
+    """A trainer's bf16 PEFT adapter (every projection, fused q/k/v and gate/up included) synced back to back
+    over CUDA IPC: each sync one engine call (apply_weight_update) into the adapter's two recurring versions in
+    turn; after each, the engine's adapter is the trainer's bit for bit under the sync's version, the base model
+    untouched; a NaN sync is refused and changes nothing, and the next one lands."""
+    from peft import LoraConfig, get_peft_model
+
+    from engine.lora.request import LoRARequest
+    from weight_transfer.checksums import lora_state_checksums
+    from weight_transfer.lora import adapter_source
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    torch.manual_seed(0)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32),
+                                LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.0))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.05)
+    peft_model.save_pretrained(str(tmp_path))
+    lora = LoRARequest("gpu", 1, str(tmp_path))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    lora_worker.add_lora(lora)
+    lora_worker.generate([{"prompt_token_ids": [5, 6, 7]}], params, lora_request=lora)  # it holds the slot now
+    base = lora_worker.weight_checker()["checksums"]
+    base = {k: v for k, v in base.items() if not k.startswith("lora:")}
+    peft_model = peft_model.to(torch.bfloat16).cuda()
+    source = adapter_source(peft_model, "gpu")
+    assert source.plain_tensors() is not None  # the planned fill (one multi-tensor copy a sync)
+
+    def trainer_tensors() -> dict[str, torch.Tensor]:
+        return {name: t.detach().clone() for name, t in source.iter_full()}
+
+    trainer = trainer_init(IPCTrainerInitInfo(timeout_s=60.0), client=LocalWeightSyncClient(lora_worker),
+                           source=source)
+    try:
+        for i in range(4):
+            with torch.no_grad():
+                for name, param in peft_model.named_parameters():
+                    if ".lora_" in name:
+                        param.add_(torch.randn_like(param) * 0.01)
+            stats = trainer.send_weights(weight_version=f"gpu-{i}")
+            assert stats.extra["num_packs"] == 1 and set(stats.extra["phases_s"]) == {"send", "apply"}
+            assert lora_worker.weight_checker({**base, **lora_state_checksums("gpu", trainer_tensors())})["match"]
+            assert lora_worker.get_weight_version(lora_name="gpu") == f"gpu-{i}"
+        good = trainer_tensors()
+        with torch.no_grad():
+            next(p for n, p in peft_model.named_parameters() if ".lora_A" in n)[0, 0] = float("nan")
+        with pytest.raises(RuntimeError, match="contains NaN or inf"):
+            trainer.send_weights(weight_version="gpu-nan")
+        assert lora_worker.weight_checker({**base, **lora_state_checksums("gpu", good)})["match"]
+        assert lora_worker.get_weight_version(lora_name="gpu") == "gpu-3"
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if ".lora_" in name:
+                    param.copy_(good[name.replace(".default", "")])
+            next(p for n, p in peft_model.named_parameters() if ".lora_A" in n).mul_(2)
+        trainer.send_weights(weight_version="gpu-after")
+        assert lora_worker.weight_checker({**base, **lora_state_checksums("gpu", trainer_tensors())})["match"]
+    finally:
+        trainer.shutdown()
+    [out] = lora_worker.generate([{"prompt_token_ids": [5, 6, 7]}], params, lora_request=lora)
+    assert [version for version, _, _ in out.outputs[0].weight_versions] == ["gpu-after"]
+    assert lora_worker.get_weight_version() == "default"

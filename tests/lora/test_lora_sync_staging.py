@@ -248,7 +248,7 @@ def test_recurring_syncs_take_turns_in_two_buffers_and_never_touch_what_serves(m
         sent = dict(zip(call["names"], call["tensors"]))
         assert _same(_host_values(manager, lora), sent)
         _assert_slot_is_the_host_copys(manager, lora)
-    buffers = {id(c.flat) for c in updater._recurring[lora.lora_int_id].copies}
+    buffers = {id(v.staging) for v in updater._recurring[lora.lora_int_id].versions}
     assert len(buffers) == 2  # the same two buffers all along
 
     serving, slots = _host_values(manager, lora), _slots(manager)
@@ -272,4 +272,4 @@ def test_recurring_syncs_take_turns_in_two_buffers_and_never_touch_what_serves(m
         want = dict(zip(call["names"], call["tensors"]))
         assert _same(_host_values(manager, lora), want)
         _assert_slot_is_the_host_copys(manager, lora)
-    assert {id(c.flat) for c in updater._recurring[lora.lora_int_id].copies} == buffers
+    assert {id(v.staging) for v in updater._recurring[lora.lora_int_id].versions} == buffers
