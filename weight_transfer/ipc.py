@@ -75,7 +75,7 @@ from weight_transfer.base import (
     WeightTransferEngine,
     WeightUpdateInfo,
 )
-from weight_transfer.messages import Message, NonEmptyStr, NonNegInt, TimeoutS, int_in, parse_message
+from weight_transfer.messages import Message, NonEmptyStr, NonNegInt, TimeoutS, int_in, parse_message, replace_parsed
 
 logger = logging.getLogger(__name__)
 
@@ -314,6 +314,18 @@ class IPCUpdateInfo(packing.TensorList):
     buffer: Annotated[dict[str, BufferDescriptor], msgspec.Meta(min_length=1)]
 
 
+class _CallFields(Message):
+    """IPCUpdateInfo's fields but its tensor list: what a recurring call's repeats change (_parse)."""
+
+    buffer_size: int_in(packing.ALIGN)
+    slot: _Slot
+    seq: int_in(1)
+    buffer: Annotated[dict[str, BufferDescriptor], msgspec.Meta(min_length=1)]
+
+
+_UPDATE_INFO_KEYS = frozenset(IPCUpdateInfo.__struct_fields__)  # (every field is required: no defaults)
+
+
 # =======================================================================================
 # Buffer handles: export (trainer) and open (engine)
 # =======================================================================================
@@ -396,6 +408,9 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         # pack every sync, so its plan is made once. layout is (names, dtypes, shapes) as tuples.
         self._packs: dict[int, tuple[tuple, packing.Pack]] = {}
         self._vllm: ipc_vllm.VLLMIPCReceiver | None = None  # set when init_info was vLLM's shape
+        # _parse's last full parse: the raw names, dtypes and shapes lists, and the message they were part of.
+        self._last_parsed: tuple[list, list, list, IPCUpdateInfo] | None = None
+        self._layout: tuple[list | None, tuple] = (None, ())  # plan_update's last: (names list, its layout)
 
     # ---- init ----------------------------------------------------------------------------------
 
@@ -430,15 +445,32 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
     def parse_update_info(self, update_info: dict) -> WeightUpdateInfo:
         if self._vllm is not None:
             return self._vllm.plan_update(update_info)
-        return super().parse_update_info(update_info)
+        return self.plan_update(self._parse(update_info))
+
+    def _parse(self, update_info: dict) -> IPCUpdateInfo:
+        """update_info parsed. A call whose tensor list is the last parsed one's (every sync of a recurring call) has
+        only its other fields converted: hundreds of names, dtypes and shapes cost a conversion each, once."""
+        last = self._last_parsed
+        if (last is not None and type(update_info) is dict and update_info.keys() == _UPDATE_INFO_KEYS
+                and update_info["names"] == last[0] and update_info["dtypes"] == last[1]
+                and update_info["shapes"] == last[2]):
+            rest = parse_message({key: update_info[key] for key in _CallFields.__struct_fields__}, _CallFields,
+                                 "update_info")
+            return replace_parsed(last[3], **{key: getattr(rest, key) for key in _CallFields.__struct_fields__})
+        parsed = parse_message(update_info, IPCUpdateInfo, "update_info")
+        if type(update_info) is dict and update_info.keys() == _UPDATE_INFO_KEYS:
+            self._last_parsed = (update_info["names"], update_info["dtypes"], update_info["shapes"], parsed)
+        return parsed
 
     def plan_update(self, update_info: IPCUpdateInfo) -> IPCWeightUpdate:
         control = self._require_control()
         where = "update_info"
         names, dtypes, shapes, slot = update_info.names, update_info.dtypes, update_info.shapes, update_info.slot
-        layout = (tuple(names), tuple(dtypes), tuple(shapes))
+        if self._layout[0] is not names:  # a repeat (_parse) has the very lists of the last call: its layout too
+            self._layout = (names, (tuple(names), tuple(dtypes), tuple(shapes)))
+        layout = self._layout[1]
         cached = self._packs.get(slot)
-        if cached is not None and cached[0] == (layout, update_info.buffer_size):
+        if cached is not None and cached[0][1] == update_info.buffer_size and cached[0][0] == layout:
             pack = cached[1]
         else:
             packs = packing.plan_packs([packing.nbytes_of(d, s) for d, s in zip(dtypes, shapes)], update_info.buffer_size)

@@ -90,6 +90,16 @@ def parse_message(raw: Any, message_type: Any, where: str) -> Any:
 _converting: ContextVar[bool] = ContextVar("weight_transfer_converting", default=False)
 
 
+def replace_parsed(message: Message, **changes: Any) -> Any:
+    """`message` (parsed) with some fields replaced by values parse_message already checked, each as its field
+    declares it: only check() runs again (ValueError from it), not the conversion of every field."""
+    token = _converting.set(True)
+    try:
+        return msgspec.structs.replace(message, **changes)
+    finally:
+        _converting.reset(token)
+
+
 # Every name torch gives a dtype ("bfloat16", "float32", also aliases such as "half").
 _DTYPES = {name: dtype for name in dir(torch) if isinstance(dtype := getattr(torch, name), torch.dtype)}
 
