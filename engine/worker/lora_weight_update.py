@@ -24,9 +24,12 @@ Cost: a call is a handful of launches and one host sync, whatever its number of 
 (_CallPlan), and a backend's repeat of the very same views (reuse_key) is not looked at again. Its tensors
 are copied by multi-tensor copies, group by group as the backend's views allow (WeightUpdateInfo.group_sizes,
 views_stable_per_call), into one float32 buffer on the slots' device (a backend may reuse its buffers once
-the next tensor is pulled); the sum of that buffer, finite unless a value is not, is read once the stream ended. At commit the slot is rewritten from that buffer on the device (LoRAManager.install),
-and the host copy is one copy of the buffer to pinned memory on a side stream, still running when commit
-returns (PEFTAdapter.pending: host readers wait for it). On CPU the buffer is the host copy itself.
+the next tensor is pulled); the sum of that buffer, finite unless a value is not, is read once the stream
+ended. At commit the slot is rewritten from that buffer on the device (LoRAManager.install), and the host copy
+is one copy of the buffer to pinned memory on a side stream, still running when commit returns
+(PEFTAdapter.pending: host readers wait for it). On CPU the buffer is the host copy itself. A recurring call
+that carries the whole adapter stages into one of two versions made once (_Recurring: buffers, views, host
+copy and PEFTAdapter), the one not serving, so a sync makes no tensor objects per tensor at all.
 """
 
 from __future__ import annotations
