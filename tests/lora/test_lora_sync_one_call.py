@@ -1,4 +1,4 @@
-"""A weight update in one engine call (apply_weight_update): an adapter sync of one pack is one round trip, same guarantees.
+"""A weight update in one engine call (apply_weight_update): an adapter sync of one pack is one round trip.
 
 Start, landing and finish run as one call between two steps: the adapter serves the trainer's tensors under its
 own version afterwards, or - a bad call, a failed transfer, another update in progress - everything serves as
