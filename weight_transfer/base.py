@@ -670,7 +670,10 @@ class TrainerWeightTransferEngine(ABC, Generic[TrainerInitT]):
         return self._update_in_phases(lambda: self._send(source), weight_version, started)
 
     def _update_in_one_call(self, source: WeightSource, weight_version: str | None, started: float) -> SyncStats | None:
-        """apply_weight_update around _send_in_one_call; None when the backend does not send this sync in one call."""
+        """apply_weight_update around _send_in_one_call; None when the backend does not send this sync in one call,
+        or the client is not a WeightSyncClient (anything with the lifecycle's methods runs the three calls)."""
+        if not callable(getattr(self.client, "submit", None)):
+            return None
         waiting: list[float] = []  # when the sender began waiting for the one call (once posted, it may hold an update)
 
         def post(update_info: Any) -> Callable[[], None]:

@@ -166,6 +166,19 @@ class LocalTrainerWeightTransferEngine(TrainerWeightTransferEngine[LocalTrainerI
             client.init_weight_transfer_engine({"backend": "local"})
         return cls(init_info, client, source, rank)
 
+    def _send_in_one_call(self, source: WeightSource, post) -> SyncStats | None:
+        """A sync that fits one call (max_bytes_per_call; an adapter's, usually): its tensors in one
+        apply_weight_update, the whole update in one round trip."""
+        metas = source.metadata
+        if len(metas) > 1 and sum(m.nbytes for m in metas) > self.init_info.max_bytes_per_call:
+            return None
+        stats = SyncStats(self.backend)
+        batch = [(name, tensor.detach().cpu()) for name, tensor in source.iter_full()]
+        stats.num_tensors = len(batch)
+        stats.bytes_sent = stats.dense_bytes = sum(t.numel() * t.element_size() for _, t in batch)
+        post(make_update_info(batch, self.init_info.encoding))()
+        return stats
+
     def _send(self, source: WeightSource) -> SyncStats:
         stats = SyncStats(self.backend)
         batch: list[tuple[str, torch.Tensor]] = []

@@ -16,6 +16,7 @@ from weight_transfer.base import (
     trainer_init,
 )
 from weight_transfer.checksums import compare_checksums, hf_state_checksums, tensor_checksum
+from weight_transfer.clients import WeightSyncClient
 from weight_transfer.local import LocalTrainerInitInfo, LocalWeightTransferEngine, encode_weights_b64, make_update_info
 
 
@@ -127,6 +128,41 @@ def test_send_weights_runs_the_update_lifecycle_and_aborts_what_it_began(refuse,
     if refuse is None:
         stats = trainer.send_weights(weight_version="v1")
         assert (stats.weight_version, stats.num_tensors, stats.bytes_sent) == ("v1", 1, 16)
+    else:
+        with pytest.raises(RuntimeError, match=f"{refuse} refused"):
+            trainer.send_weights(weight_version="v1")
+    assert client.calls == calls
+
+
+class _RecordingSyncClient(WeightSyncClient):
+    """A WeightSyncClient of one engine that records the controls it calls and refuses the one named `refuse`."""
+
+    def __init__(self, refuse: str | None = None) -> None:
+        self.calls: list[str] = []
+        self.refuse = refuse
+
+    def _call(self, method: str, *args):
+        self.calls.append(method)
+        if method == self.refuse:
+            raise RuntimeError(f"{method} refused")
+
+
+@pytest.mark.parametrize(
+    "max_bytes,refuse,calls",
+    [
+        (1 << 20, None, ["apply_weight_update"]),  # fits one call: the whole update in one round trip
+        (1 << 20, "apply_weight_update", ["apply_weight_update", "abort_weight_update"]),  # it may hold it (timeout)
+        (16, None, ["start_weight_update", "update_weights", "update_weights", "finish_weight_update"]),
+    ],
+)
+def test_a_sync_that_fits_one_call_is_one_engine_call(max_bytes, refuse, calls):
+    client = _RecordingSyncClient(refuse)
+    trainer = trainer_init({"backend": "local", "max_bytes_per_call": max_bytes}, client=client,
+                           source=StateDictSource({"a": torch.ones(4), "b": torch.zeros(4)}))
+    client.calls.clear()
+    if refuse is None:
+        stats = trainer.send_weights(weight_version="v1")
+        assert (stats.weight_version, stats.num_tensors, stats.bytes_sent) == ("v1", 2, 32)
     else:
         with pytest.raises(RuntimeError, match=f"{refuse} refused"):
             trainer.send_weights(weight_version="v1")
