@@ -269,6 +269,7 @@ class ModelRunner:
         for req_id in list(self.state.req_id_to_slot):
             self.state.remove_request(req_id)
         self.eos_token_ids.clear()
+        self.sampling_inputs.clear()
         self._in_flight = None
 
     def release(self) -> None:

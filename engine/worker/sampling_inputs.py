@@ -59,6 +59,11 @@ class SamplingInputs:
     def _h2d(self, array: np.ndarray) -> torch.Tensor:
         return to_device(torch.from_numpy(array), self.device)
 
+    def clear(self) -> None:
+        """Drops the reused request-constant inputs and their device tensors (the runner forgot its requests: a
+        shutting-down worker must give their memory back)."""
+        self._last = None
+
     def metadata(self, slots: np.ndarray, req_ids: list[str], rows: np.ndarray,
                  offsets: np.ndarray | None = None) -> SamplingMetadata:
         """slots: [S] each entry's RequestState slot; entry i is batch row rows[i], whose request is req_ids[rows[i]].

@@ -97,3 +97,23 @@ def test_seeded_keys_follow_the_output_position():
         keys.append(int(md.generators.keys[0]))
         grow(state, slot)
     assert keys == [mix_seed(42, position) for position in range(3)]
+
+
+def test_a_runner_that_forgets_its_requests_drops_the_reused_inputs():
+    # The reused part holds device tensors (temperatures, top-k/p...): a worker shutting down (ModelRunner.release ->
+    # reset_requests) must not keep them, or its device memory does not come back (tests/gpu/test_engine_release_gpu).
+    from engine.worker.model_runner import ModelRunner
+
+    state, eos = RequestState(4, 64, 8), {}
+    inputs = SamplingInputs(state, torch.device("cpu"), VOCAB, "raw_logprobs", eos)
+    slots = np.array([add(state, eos, "a", temperature=0.7), add(state, eos, "b", top_k=3)])
+    inputs.metadata(slots, ["a", "b"], np.arange(2))
+    assert inputs._last is not None
+
+    class Runner:  # the runner's state reset_requests reads, nothing else
+        reset_requests = ModelRunner.reset_requests
+
+    runner = Runner()
+    runner.state, runner.eos_token_ids, runner.sampling_inputs, runner._in_flight = state, eos, inputs, None
+    runner.reset_requests()
+    assert inputs._last is None and not state.req_id_to_slot and not eos
