@@ -43,26 +43,33 @@ def _refs(base_model: str, adapter_path: str):
     return [reference(merged, p, MAX_TOKENS) for p in PROMPTS]
 
 
-@pytest.fixture(scope="module")
-def old_refs(base_model, adapters):
-    """HF + PEFT merged with adapter "qv" as loaded."""
-    return _refs(base_model, adapters["qv"].lora_path)
+def sync_fixtures(seed: int, tag: str):
+    """The old_refs, trained and llm fixtures of a sync test module, its trained adapter made with `seed`:
+    `old_refs, trained, llm = sync_fixtures(...)` at the module's top level."""
+
+    @pytest.fixture(scope="module")
+    def old_refs(base_model, adapters):
+        """HF + PEFT merged with adapter "qv" as loaded."""
+        return _refs(base_model, adapters["qv"].lora_path)
+
+    @pytest.fixture(scope="module")
+    def trained(base_model, adapters, tmp_path_factory):
+        """(the trainer's PeftModel for adapter "qv" after a step, HF + PEFT merged with its tensors)."""
+        model = _trained(base_model, adapters["qv"].lora_path, seed=seed)
+        saved = tmp_path_factory.mktemp(f"qv-trained{tag}")
+        model.save_pretrained(str(saved))
+        return model, _refs(base_model, str(saved))
+
+    @pytest.fixture
+    def llm(base_model):
+        llm = LLM(base_model, **ENGINE_ARGS)
+        yield llm
+        llm.shutdown()
+
+    return old_refs, trained, llm
 
 
-@pytest.fixture(scope="module")
-def trained(base_model, adapters, tmp_path_factory):
-    """(the trainer's PeftModel for adapter "qv" after a step, HF + PEFT merged with its tensors)."""
-    model = _trained(base_model, adapters["qv"].lora_path, seed=11)
-    saved = tmp_path_factory.mktemp("qv-trained")
-    model.save_pretrained(str(saved))
-    return model, _refs(base_model, str(saved))
-
-
-@pytest.fixture
-def llm(base_model):
-    llm = LLM(base_model, **ENGINE_ARGS)
-    yield llm
-    llm.shutdown()
+old_refs, trained, llm = sync_fixtures(seed=11, tag="")
 
 
 def _run(generate, lora) -> list[tuple[list[int], list[float], int]]:

@@ -11,16 +11,14 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
-from engine import LLM
 from weight_transfer.base import trainer_init
 from weight_transfer.checksums import lora_state_checksums
 from weight_transfer.clients import LocalWeightSyncClient, WeightSyncError
 from weight_transfer.ipc import SHM_DIR, IPCTrainerInitInfo
 from weight_transfer.lora import adapter_source
 from test_lora_sync import (
-    ENGINE_ARGS, Q_A, _assert_matches, _gen, _lora_sums, _outputs, _peft_tensors, _refs, _run, _trained,
+    ENGINE_ARGS, Q_A, _assert_matches, _gen, _lora_sums, _outputs, _peft_tensors, _run, sync_fixtures,
 )
 
 # Adapter "qv"'s tensors are at most 1 KiB each (rank 4 x width 64, float32): a few a buffer, so one sync is
@@ -28,26 +26,7 @@ from test_lora_sync import (
 BUFFER_BYTES = 2 << 10
 
 
-@pytest.fixture(scope="module")
-def old_refs(base_model, adapters):
-    """HF + PEFT merged with adapter "qv" as loaded."""
-    return _refs(base_model, adapters["qv"].lora_path)
-
-
-@pytest.fixture(scope="module")
-def trained(base_model, adapters, tmp_path_factory):
-    """(the trainer's PeftModel for adapter "qv" after a step, HF + PEFT merged with its tensors)."""
-    model = _trained(base_model, adapters["qv"].lora_path, seed=21)
-    saved = tmp_path_factory.mktemp("qv-trained-ipc")
-    model.save_pretrained(str(saved))
-    return model, _refs(base_model, str(saved))
-
-
-@pytest.fixture
-def llm(base_model):
-    llm = LLM(base_model, **ENGINE_ARGS)
-    yield llm
-    llm.shutdown()
+old_refs, trained, llm = sync_fixtures(seed=21, tag="-ipc")
 
 
 def _segments() -> list[str]:

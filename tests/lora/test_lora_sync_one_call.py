@@ -17,32 +17,12 @@ from weight_transfer.clients import LocalWeightSyncClient, RayWeightSyncClient
 from weight_transfer.ipc import IPCTrainerInitInfo
 from weight_transfer.local import make_update_info
 from weight_transfer.lora import AdapterSource, adapter_source
-from engine import LLM
 from test_lora_sync import (
-    ENGINE_ARGS, _assert_matches, _bad_syncs, _gen, _lora_sums, _peft_tensors, _refs, _run, _trained,
+    _assert_matches, _bad_syncs, _gen, _lora_sums, _peft_tensors, _run, sync_fixtures,
 )
 
 
-@pytest.fixture(scope="module")
-def old_refs(base_model, adapters):
-    """HF + PEFT merged with adapter "qv" as loaded."""
-    return _refs(base_model, adapters["qv"].lora_path)
-
-
-@pytest.fixture(scope="module")
-def trained(base_model, adapters, tmp_path_factory):
-    """(the trainer's PeftModel for adapter "qv" after a step, HF + PEFT merged with its tensors)."""
-    model = _trained(base_model, adapters["qv"].lora_path, seed=31)
-    saved = tmp_path_factory.mktemp("qv-trained-one-call")
-    model.save_pretrained(str(saved))
-    return model, _refs(base_model, str(saved))
-
-
-@pytest.fixture
-def llm(base_model):
-    llm = LLM(base_model, **ENGINE_ARGS)
-    yield llm
-    llm.shutdown()
+old_refs, trained, llm = sync_fixtures(seed=31, tag="-one-call")
 
 
 class _CountingClient(LocalWeightSyncClient):
@@ -62,7 +42,7 @@ def _no_update_open(core) -> bool:
 
 
 def test_an_ipc_adapter_sync_of_one_pack_is_one_engine_call(llm, adapters, old_refs, trained):
-    qv, mixed = adapters["qv"], adapters["mixed"]
+    qv = adapters["qv"]
     model, new_refs = trained
     generate = _gen(llm)
     _assert_matches(_run(generate, qv), old_refs)
