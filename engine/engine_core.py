@@ -418,7 +418,7 @@ class EngineCore:
 
     @between_steps  # tokens of the step in flight belong to the version they were computed with
     def update_weight_version(self, new_version: str) -> None:
-        self.weight_version = _checked_version("new_version", new_version)
+        self.weight_version = checked_version("new_version", new_version)
         if self._serving_checkpoint:  # a label for the checkpoint's own weights, kept across re-loads
             self._checkpoint_weight_version = new_version
 
@@ -602,7 +602,7 @@ class EngineCore:
         over the KV cache the old ones computed (only they can hit those blocks).
         """
         if weight_version is not None:
-            _checked_version("weight_version", weight_version)
+            checked_version("weight_version", weight_version)
         self.executor.rpc(Worker.finish_weight_update)
         if self.control.weights_discarded:
             unwritten = sorted({name for rank in self.executor.rpc(Worker.unwritten_weights) for name in rank})
@@ -635,7 +635,7 @@ class EngineCore:
         a call rejected by validation (ValueError: it changed nothing) aborts the update it started; a failed
         transfer (WeightTransferError) has ended the update and restored the weights already."""
         if weight_version is not None:
-            _checked_version("weight_version", weight_version)
+            checked_version("weight_version", weight_version)
         self.start_weight_update()  # WeightUpdateStateError while another update is in progress: nothing started
         try:
             num_loaded = self.update_weights(request)
@@ -774,7 +774,7 @@ class EngineCore:
         self.executor.shutdown()
 
 
-def _checked_version(name: str, version: object) -> str:
+def checked_version(name: str, version: object) -> str:
     """`version` if it can label weights (a non-empty string); else ValueError naming the argument `name`."""
     if not isinstance(version, str) or not version:
         raise ValueError(f"{name}: a weight_version is a non-empty string, got {version!r}")

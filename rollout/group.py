@@ -57,6 +57,7 @@ from engine.control import (
     vllm_weight_checker,
 )
 from engine.engine_args import create_engine_config
+from engine.engine_core import checked_version
 from engine.exceptions import EngineDeadError
 from engine.lora.names import LoRAAdapters, check_lora_adapter_layout
 from engine.lora.request import LoRARequest
@@ -498,8 +499,8 @@ class RolloutGroup:
         if self.num_engines == 1:
             await self.engines[0].apply_weight_update(request, weight_version)
             return
-        if weight_version is not None and (not isinstance(weight_version, str) or not weight_version):
-            raise ValueError(f"weight_version: a weight_version is a non-empty string, got {weight_version!r}")
+        if weight_version is not None:
+            checked_version("weight_version", weight_version)  # refused before any engine starts the update
         starts = await asyncio.gather(*(e.start_weight_update() for e in self.engines), return_exceptions=True)
         started = [i for i, result in enumerate(starts) if not isinstance(result, BaseException)]
         try:
