@@ -6,7 +6,7 @@ is always computed). Hit rate = prefix-cache hit tokens / those shareable tokens
 
 Issue 30's short-answer step shape (64 prompts x 16 samples, 512-token prompts, 32 new tokens):
 
-    python benchmarks/grpo_rollout.py --max-tokens 32 --repeats 3 --floor --busy [--max-num-batched-tokens 16384]
+    python benchmarks/grpo_rollout.py --max-tokens 32 --repeats 3 --floor --busy [--max-num-batched-tokens 2048]
 
 --repeats times the rollout that many times (prefix cache reset before each; median reported);
 --floor adds the schedule's floor (gpu_common.StepFloor over the steps of the last timed rollout);
@@ -42,8 +42,8 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="the step's token budget (default: the engine's, 2048); vLLM's default for its LLM class on "
-                        "H100/H200-class GPUs is 16384, which run_gpu.sh's rl part passes")
+                   help="the step's token budget (default: the engine's, as vLLM's LLM class: 16384 on H100/H200-class "
+                        "GPUs, 2048 on CPU); run_gpu.sh's rl part also runs 2048")
     p.add_argument("--repeats", type=int, default=1, help="timed rollouts (median reported)")
     p.add_argument("--floor", action="store_true", help="GPU: the floor of the schedule the engine ran (StepFloor)")
     p.add_argument("--busy", action="store_true", help="GPU: one more rollout under the profiler, GPU busy share")

@@ -8,8 +8,8 @@
 # lora (issue 26): 0.6B offline throughput with 4 rank-16 adapters mixed against the base model's, and ipc adapter
 #   sync (rank 16, all projections, bf16) beside the full sync for 0.6B and 7B. About 3 minutes.
 # rl (issue 30): the short-answer GRPO rollout (64 prompts x 16, 512-token prompts, 32 new tokens), 0.6B: time
-#   against the schedule's floor and the GPU's busy share, at vLLM's H100/H200 LLM-class budget (16384 tokens a
-#   step) and at the engine's default (2048).
+#   against the schedule's floor and the GPU's busy share, at the engine's default budget (vLLM's: 16384 tokens a
+#   step for an LLM on an H100/H200) and at 2048 (the old default, and a plain AsyncLLM's).
 # p: where the offline run's time goes (per-step host/GPU split, top kernels).
 # x2 (two GPUs): the two-GPU tests, nccl/sharded_rdt/sparse weight sync GPU 0 -> GPU 1, TP=2 and DP=2 throughput.
 set -uo pipefail
@@ -59,10 +59,10 @@ for part in $parts; do
           run weight_sync_lora $py benchmarks/weight_sync.py --device cuda --backends ipc --buffer-mib 1024 --syncs 3 \
             --models qwen3-0.6b qwen2.5-7b --lora-rank 16 --lora-syncs 20 --json-out "$OUT/h200-weight-sync-lora.json" ;;
     rl) run grpo_short_answers $py benchmarks/grpo_rollout.py --shape qwen3-0.6b --num-prompts 64 --n 16 --prompt-len 512 \
-            --max-tokens 32 --repeats 3 --floor --busy --max-num-batched-tokens 16384 \
-            --json-out "$OUT/h200-grpo-short-answers.json"
+            --max-tokens 32 --repeats 3 --floor --busy --json-out "$OUT/h200-grpo-short-answers.json"
         run grpo_short_answers_2048 $py benchmarks/grpo_rollout.py --shape qwen3-0.6b --num-prompts 64 --n 16 \
-            --prompt-len 512 --max-tokens 32 --repeats 3 --floor --busy --json-out "$OUT/h200-grpo-short-answers-2048.json" ;;
+            --prompt-len 512 --max-tokens 32 --repeats 3 --floor --busy --max-num-batched-tokens 2048 \
+            --json-out "$OUT/h200-grpo-short-answers-2048.json" ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -14,6 +14,9 @@ from engine.model_source import hub_repo_id, resolve_checkpoint, split_hub_name
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 LoadFormat = Literal["auto", "dummy"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+# Who drives the engine (vLLM's UsageContext): an offline LLM, an HTTP server, or a plain AsyncLLM. On a GPU it picks
+# the default token budget of a step (engine/core/scheduler.py default_max_num_batched_tokens).
+UsageContext = Literal["llm_class", "api_server", "engine"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
 
@@ -127,7 +130,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     """Most requests running at once."""
     max_num_batched_tokens: int | None = None
-    """Token budget of one step (prefill chunks and decodes together); default 2048 or max_model_len if larger is not needed."""
+    """Token budget of one step (prefill chunks and decodes together). Default as vLLM's: on a GPU of >= 70 GiB (not an A100) 16384 for LLM and rollout workers, 8192 for the server; on smaller GPUs 8192 / 2048; on CPU 2048; a plain AsyncLLM 2048. Without chunked prefill at least max_model_len."""
     scheduling_policy: SchedulingPolicy = "fcfs"
     """`fcfs` (arrival order) or `priority` (lower value first, then arrival)."""
     enable_chunked_prefill: bool = True
@@ -411,6 +414,11 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     weight_transfer: WeightTransferConfig = field(default_factory=WeightTransferConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    usage_context: UsageContext = "engine"
+    """Who drives the engine (create_engine_config's usage_context; not an engine argument)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("usage_context", self.usage_context, UsageContext)
 
 
 # The sections of EngineConfig, in --help order; their field names are unique across

@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any
 
-from engine.config import ENGINE_CONFIG_SECTIONS, EngineConfig
+from engine.config import ENGINE_CONFIG_SECTIONS, EngineConfig, UsageContext
 
 
 def engine_arg_names() -> dict[str, str]:
@@ -20,8 +20,11 @@ def engine_arg_names() -> dict[str, str]:
     return names
 
 
-def create_engine_config(**kwargs: Any) -> EngineConfig:
+def create_engine_config(usage_context: UsageContext = "engine", **kwargs: Any) -> EngineConfig:
     """Builds and validates an EngineConfig from flat arguments, e.g. model=DIR, block_size=16.
+
+    usage_context: who drives the engine (LLM: llm_class, the HTTP server: api_server); on a GPU it picks
+    the default max_num_batched_tokens, as vLLM's does.
 
     Unknown names raise TypeError listing them; bad values raise ValueError naming the field.
     max_model_len defaults to (and may not exceed) the checkpoint's max_position_embeddings.
@@ -76,7 +79,7 @@ def create_engine_config(**kwargs: Any) -> EngineConfig:
                     f"speculative_config: the draft model's vocab_size ({draft_vocab}) differs from the model's "
                     f"({hf_config.get('vocab_size')}); a draft model must share the model's tokenizer"
                 )
-    return EngineConfig(**built)
+    return EngineConfig(**built, usage_context=usage_context)
 
 
 # config.json keys that give a mixture-of-experts model's number of routed experts (Qwen-MoE, Mixtral, DeepSeek).

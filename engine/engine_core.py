@@ -86,6 +86,8 @@ class EngineCore:
         try:
             # Every rank sizes its cache; ranks must agree, so the smallest count is what all of them allocate.
             self.num_blocks = min(self.executor.rpc(Worker.determine_num_blocks))
+            # The step budget's default depends on the device, which the workers know (ranks share one kind).
+            self.default_token_budget = min(self.executor.rpc(Worker.default_token_budget))
             self.executor.rpc(Worker.initialize_kv_cache, self.num_blocks)
         except BaseException:
             self.executor.shutdown()  # no worker processes outlive a failed start
@@ -122,7 +124,8 @@ class EngineCore:
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.config.scheduler, self.config.cache, self.max_model_len, self.num_blocks,
-                         self.config.speculative.settings, control=self.control, lora=self.config.lora)
+                         self.config.speculative.settings, control=self.control, lora=self.config.lora,
+                         default_token_budget=self.default_token_budget)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Admits a request, or raises ValueError naming what is wrong and changes nothing.

@@ -25,7 +25,7 @@ class LLM:
     """`LLM(model=DIR, **engine_args)`; argument names follow vLLM's where vLLM has one."""
 
     def __init__(self, model: str, **engine_args: Any) -> None:
-        self.config = create_engine_config(model=model, **engine_args)
+        self.config = create_engine_config(model=model, **{"usage_context": "llm_class", **engine_args})
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer, truncation_side="left")  # as vLLM loads it for generation
         self.engine_client = InprocClient(self.config)
         self.engine_core = self.engine_client.engine_core  # for tests and callers that inspect it

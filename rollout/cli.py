@@ -164,6 +164,7 @@ class _Server:
 
 def _start_engine(engine_kwargs: dict[str, Any], served_name: str, data_parallel_size: int):
     """One AsyncLLM, or a RolloutGroup of data_parallel_size of them: the server cannot tell them apart."""
+    engine_kwargs = {"usage_context": "api_server", **engine_kwargs}  # the server's default step budget
     if data_parallel_size > 1:
         from rollout.group import RolloutGroup
 

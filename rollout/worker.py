@@ -78,6 +78,8 @@ class RolloutWorker:
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-worker-loop", daemon=True)
         self._thread.start()
         self._closed = False
+        # A rollout worker feeds a trainer batches, as vLLM's LLM class does: its default step budget.
+        engine_args = {"usage_context": "llm_class", **engine_args}
         try:
             if data_parallel_size > 1:
                 from rollout.group import RolloutGroup

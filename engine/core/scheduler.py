@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from engine.config import CacheConfig, LoRAConfig, SchedulerConfig, SpecDecodeSettings
+from engine.config import CacheConfig, LoRAConfig, SchedulerConfig, SpecDecodeSettings, UsageContext
 from engine.control import PauseState
 from engine.control_state import ControlState
 from engine.core.kv_cache_manager import KVCacheManager
@@ -22,14 +22,34 @@ from engine.wire import EngineCoreOutput, EngineCoreOutputs
 from engine.worker.runner_output import ModelRunnerOutput
 
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+_GIB = 2**30
 
 
-def token_budget(config: SchedulerConfig, max_model_len: int) -> int:
-    """One step's token budget: max_num_batched_tokens, or by default max(2048, max_num_seqs),
-    and at least max_model_len without chunked prefill (a whole prompt must fit)."""
+def default_max_num_batched_tokens(usage: UsageContext, device_type: str, total_memory: int = 0,
+                                   device_name: str = "") -> int:
+    """vLLM's default step budget (its EngineArgs.get_batch_defaults) for who drives the engine and on what device.
+
+    Large GPUs take big prefill steps offline: fewer, fuller steps, and fewer eager mixed steps. A server keeps
+    steps shorter for its requests' latency. A plain AsyncLLM (vLLM's engine context) and the CPU keep 2048:
+    vLLM's CPU default for an LLM is 4096, ours stays 2048, which the CPU benchmarks are measured at.
+    """
+    if device_type != "cuda" or usage == "engine":
+        return _DEFAULT_MAX_NUM_BATCHED_TOKENS
+    if total_memory >= 160 * _GIB:
+        return 16384
+    # A100s lose throughput with the larger budget (vLLM PR 17885), so they stay on the small tier.
+    if total_memory >= 70 * _GIB and "a100" not in device_name.lower():
+        return 16384 if usage == "llm_class" else 8192
+    return 8192 if usage == "llm_class" else 2048
+
+
+def token_budget(config: SchedulerConfig, max_model_len: int, default: int = _DEFAULT_MAX_NUM_BATCHED_TOKENS) -> int:
+    """One step's token budget: max_num_batched_tokens, or by default max(default, max_num_seqs),
+    and at least max_model_len without chunked prefill (a whole prompt must fit). default: the device's
+    (default_max_num_batched_tokens), which the worker knows."""
     if config.max_num_batched_tokens is not None:
         return config.max_num_batched_tokens
-    budget = max(_DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
+    budget = max(default, config.max_num_seqs)
     return budget if config.enable_chunked_prefill else max(budget, max_model_len)
 
 
@@ -134,12 +154,14 @@ class Scheduler:
     def __init__(
         self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, max_model_len: int, num_blocks: int,
         spec: SpecDecodeSettings | None = None, control: ControlState | None = None, lora: LoRAConfig | None = None,
+        default_token_budget: int = _DEFAULT_MAX_NUM_BATCHED_TOKENS,
     ) -> None:
-        """control: the engine core's ControlState, whose pause_state this scheduler obeys (None: one of its own)."""
+        """control: the engine core's ControlState, whose pause_state this scheduler obeys (None: one of its own).
+        default_token_budget: the budget when max_num_batched_tokens is unset (the workers' device default)."""
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
-        budget = token_budget(scheduler_config, max_model_len)
+        budget = token_budget(scheduler_config, max_model_len, default_token_budget)
         if not self.enable_chunked_prefill and budget < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({budget}) must be >= max_model_len ({max_model_len}) "

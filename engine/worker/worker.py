@@ -12,7 +12,7 @@ from engine.allowed_hosts import AllowedHosts
 from engine.attention.layer import Attention
 from engine.config import KV_CACHE_DTYPES, EngineConfig
 from engine.core.sched_output import SchedulerOutput
-from engine.core.scheduler import token_budget
+from engine.core.scheduler import default_max_num_batched_tokens, token_budget
 from engine.distributed.parallel_state import (
     destroy_expert_parallel,
     destroy_tensor_parallel,
@@ -183,6 +183,13 @@ class Worker:
         per_token = sum(2 * layer.num_kv_heads * layer.head_size for layer in self.attn_layers)
         return per_token * self.config.cache.block_size * elem
 
+    def default_token_budget(self) -> int:
+        """The step budget when max_num_batched_tokens is unset: vLLM's default for this device and usage context."""
+        if self.device.type != "cuda":
+            return default_max_num_batched_tokens(self.config.usage_context, self.device.type)
+        props = torch.cuda.get_device_properties(self.device)
+        return default_max_num_batched_tokens(self.config.usage_context, "cuda", props.total_memory, props.name)
+
     def determine_num_blocks(self) -> int:
         """How many KV blocks this rank can hold; ValueError saying who holds the memory when none fits
         (engine/worker/memory.py has the rule)."""
@@ -284,7 +291,7 @@ class Worker:
         sched = self.config.scheduler
         block_size = self.config.cache.block_size
         max_len = self.max_model_len
-        budget = token_budget(sched, max_len)
+        budget = token_budget(sched, max_len, self.default_token_budget())
         max_num_seqs = sched.max_num_seqs
         decode_ctx = min(max_len, 2 * block_size + 1)  # a few blocks of context for decode rows
         # (query_lens, seq_lens) per batch; seq_len - query_len tokens of (zero or stale) context.

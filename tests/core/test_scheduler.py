@@ -69,9 +69,10 @@ class FakeRunner:
         return ModelRunnerOutput(req_ids, sampled)
 
 
-def make_scheduler(num_blocks=64, max_model_len=64, block_size=BS, caching=True, **sched):
+def make_scheduler(num_blocks=64, max_model_len=64, block_size=BS, caching=True, default_token_budget=2048, **sched):
     return Scheduler(
-        SchedulerConfig(**sched), CacheConfig(block_size=block_size, enable_prefix_caching=caching), max_model_len, num_blocks
+        SchedulerConfig(**sched), CacheConfig(block_size=block_size, enable_prefix_caching=caching), max_model_len,
+        num_blocks, default_token_budget=default_token_budget,
     )
 
 
@@ -176,6 +177,42 @@ def test_max_num_seqs_respected():
     assert len(finals) == 5
     for i in range(5):
         assert tokens[f"r{i}"] == reference_tokens([i, i + 1, i + 2], 4)
+
+
+def test_default_step_budget_follows_vllms_by_device_and_usage():
+    """vLLM's EngineArgs.get_batch_defaults: big GPUs (not A100s) take 16384 offline, 8192 served; smaller GPUs
+    8192 / 2048; the CPU and a plain engine 2048; >= 160 GiB 16384 for both."""
+    from engine.core.scheduler import default_max_num_batched_tokens as default
+
+    gib = 2**30
+    h100 = (80 * gib, "NVIDIA H100 80GB HBM3")
+    assert default("llm_class", "cuda", *h100) == 16384
+    assert default("api_server", "cuda", *h100) == 8192
+    assert default("engine", "cuda", *h100) == 2048
+    assert default("llm_class", "cuda", 80 * gib, "NVIDIA A100-SXM4-80GB") == 8192
+    assert default("api_server", "cuda", 80 * gib, "NVIDIA A100-SXM4-80GB") == 2048
+    assert default("api_server", "cuda", 24 * gib, "NVIDIA L4") == 2048
+    assert default("api_server", "cuda", 180 * gib, "NVIDIA B200") == 16384
+    assert default("llm_class", "cpu") == default("api_server", "cpu") == 2048
+    # An explicit budget wins; the default is raised to max_num_seqs and, without chunked prefill, max_model_len.
+    assert make_scheduler(num_blocks=1024, max_model_len=4096, default_token_budget=16384).max_num_batched_tokens == 16384
+    assert make_scheduler(max_num_batched_tokens=64, default_token_budget=16384).max_num_batched_tokens == 64
+    assert make_scheduler(num_blocks=8192, max_model_len=20000, enable_chunked_prefill=False,
+                          default_token_budget=16384).max_num_batched_tokens == 20000
+
+
+def test_usage_context_is_checked_and_set_by_each_entry_point(tiny_checkpoint):
+    from engine import LLM
+    from engine.engine_args import create_engine_config
+
+    path = tiny_checkpoint("llama")
+    assert create_engine_config(model=path).usage_context == "engine"
+    with pytest.raises(ValueError, match="usage_context"):
+        create_engine_config(model=path, usage_context="offline")
+    llm = LLM(path, device="cpu", max_model_len=64)
+    assert llm.config.usage_context == "llm_class"
+    assert llm.engine_core.scheduler.max_num_batched_tokens == 2048  # the CPU keeps its default
+    llm.shutdown()
 
 
 def test_chunked_prefill_disabled():

@@ -127,3 +127,29 @@ def test_kv_cache_gets_the_engines_share_less_its_weights(tiny_checkpoint):
     del tensors
     assert expected - slack <= kv_bytes <= expected
     llm.shutdown()
+
+
+def test_step_budget_defaults_to_vllms_for_this_gpu(tiny_checkpoint):
+    """Unset max_num_batched_tokens: an LLM and a plain AsyncLLM-style engine take vLLM's default for the device
+    (16384 / 2048 on an H100 or H200), and the warm-up passes ran at that budget (a step that large replays)."""
+    from engine.core.scheduler import default_max_num_batched_tokens
+
+    props = torch.cuda.get_device_properties(0)
+    path = tiny_checkpoint("qwen3")
+    expected = {usage: default_max_num_batched_tokens(usage, "cuda", props.total_memory, props.name)
+                for usage in ("llm_class", "engine")}
+    if props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower():
+        assert expected == {"llm_class": 16384, "engine": 2048}
+    llm = LLM(path, device="cuda", max_model_len=8192, kv_cache_memory_bytes=1 << 28, max_num_seqs=16)
+    assert llm.engine_core.scheduler.max_num_batched_tokens == expected["llm_class"]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 200 for j in range(1000)]} for i in range(12)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4] * 12
+    llm.shutdown()
+    _free(llm)
+    llm = LLM(path, device="cuda", max_model_len=512, kv_cache_memory_bytes=1 << 28, max_num_seqs=16,
+              usage_context="engine")
+    assert llm.engine_core.scheduler.max_num_batched_tokens == expected["engine"]
+    llm.shutdown()
+    _free(llm)
