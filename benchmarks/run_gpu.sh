@@ -9,7 +9,10 @@
 #   sync (rank 16, all projections, bf16) beside the full sync for 0.6B and 7B. About 3 minutes.
 # rl (issue 30): the short-answer GRPO rollout (64 prompts x 16, 512-token prompts, 32 new tokens), 0.6B: time
 #   against the schedule's floor and the GPU's busy share, at the engine's default budget (vLLM's: 16384 tokens a
-#   step for an LLM on an H100/H200) and at 2048 (the old default, and a plain AsyncLLM's).
+#   step for an LLM on an H100/H200) and at 2048 (the old default, and a plain AsyncLLM's); and with 1024 rows a
+#   step (vLLM's max_num_seqs for an LLM on those GPUs; ours is 256).
+# lp (issue 26): where a rank-16 adapter sync's time goes, 0.6B shape: 200 ipc syncs under py-spy (every process,
+#   idle frames too, per thread), raw stacks in $OUT/lora-sync-pyspy.txt.
 # p: where the offline run's time goes (per-step host/GPU split, top kernels).
 # x2 (two GPUs): the two-GPU tests, nccl/sharded_rdt/sparse weight sync GPU 0 -> GPU 1, TP=2 and DP=2 throughput.
 set -uo pipefail
@@ -49,6 +52,9 @@ for part in $parts; do
     g) run gemv_configs $py benchmarks/gemv_configs.py --json-out "$OUT/h200-gemv-configs.json" ;;
     t) run attention_configs $py benchmarks/attention_configs.py --json-out "$OUT/h200-attention-configs.json" ;;
     sd) run spec_decode_0.6b $py benchmarks/spec_decode.py --shape qwen3-0.6b --json-out "$OUT/h200-spec-decode.json" ;;
+    lp) run lora_sync_profile ${PYSPY:-py-spy} record -r 2000 --subprocesses --idle -t -f raw -o "$OUT/lora-sync-pyspy.txt" \
+          -- $py benchmarks/weight_sync.py --device cuda --backends ipc --buffer-mib 1024 --syncs 1 --models qwen3-0.6b \
+          --lora-rank 16 --lora-syncs 200 --json-out "$OUT/lora-sync-profiled.json" ;;
     p) run step_profile_0.6b $py benchmarks/step_profile.py --shape qwen3-0.6b --json-out "$OUT/h200-step-profile.json" ;;
     s) run sampling_micro $py benchmarks/sampling_micro.py --device cuda --out "$OUT/h200-sampling-micro.json" ;;
     w) run weight_sync $py benchmarks/weight_sync.py --device cuda --backends ipc --buffer-mib 1024 --syncs 5 \
@@ -62,7 +68,10 @@ for part in $parts; do
             --max-tokens 32 --repeats 3 --floor --busy --json-out "$OUT/h200-grpo-short-answers.json"
         run grpo_short_answers_2048 $py benchmarks/grpo_rollout.py --shape qwen3-0.6b --num-prompts 64 --n 16 \
             --prompt-len 512 --max-tokens 32 --repeats 3 --floor --busy --max-num-batched-tokens 2048 \
-            --json-out "$OUT/h200-grpo-short-answers-2048.json" ;;
+            --json-out "$OUT/h200-grpo-short-answers-2048.json"
+        run grpo_short_answers_1024_seqs $py benchmarks/grpo_rollout.py --shape qwen3-0.6b --num-prompts 64 --n 16 \
+            --prompt-len 512 --max-tokens 32 --repeats 3 --floor --busy --max-num-seqs 1024 \
+            --json-out "$OUT/h200-grpo-short-answers-1024-seqs.json" ;;
     *) echo "unknown part $part" ;;
   esac
 done
