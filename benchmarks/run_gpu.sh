@@ -11,8 +11,9 @@
 #   against the schedule's floor and the GPU's busy share, at the engine's default budget (vLLM's: 16384 tokens a
 #   step for an LLM on an H100/H200) and at 2048 (the old default, and a plain AsyncLLM's); and with 1024 rows a
 #   step (vLLM's max_num_seqs for an LLM on those GPUs; ours is 256).
-# lp (issue 26): where a rank-16 adapter sync's time goes, 0.6B shape: 200 ipc syncs under py-spy (every process,
-#   idle frames too, per thread), raw stacks in $OUT/lora-sync-pyspy.txt.
+# lp (issue 26): where a rank-16 adapter sync's time goes, 0.6B shape: each hop's median ms over 60 traced ipc syncs
+#   (weight_sync.py --trace: the trainer's and the engine's processes mark them), then 200 syncs under py-spy (every
+#   process, idle frames too, per thread), raw stacks in $OUT/lora-sync-pyspy.txt.
 # p: where the offline run's time goes (per-step host/GPU split, top kernels).
 # x2 (two GPUs): the two-GPU tests, nccl/sharded_rdt/sparse weight sync GPU 0 -> GPU 1, TP=2 and DP=2 throughput.
 set -uo pipefail
@@ -52,7 +53,10 @@ for part in $parts; do
     g) run gemv_configs $py benchmarks/gemv_configs.py --json-out "$OUT/h200-gemv-configs.json" ;;
     t) run attention_configs $py benchmarks/attention_configs.py --json-out "$OUT/h200-attention-configs.json" ;;
     sd) run spec_decode_0.6b $py benchmarks/spec_decode.py --shape qwen3-0.6b --json-out "$OUT/h200-spec-decode.json" ;;
-    lp) run lora_sync_profile ${PYSPY:-py-spy} record -r 2000 --subprocesses --idle -t -f raw -o "$OUT/lora-sync-pyspy.txt" \
+    lp) run lora_sync_hops $py benchmarks/weight_sync.py --device cuda --backends ipc --buffer-mib 1024 --syncs 3 \
+          --models qwen3-0.6b qwen2.5-7b --lora-rank 16 --lora-syncs 60 --trace "$OUT/lora-sync-trace.log" \
+          --json-out "$OUT/h200-weight-sync-lora-hops.json"
+        run lora_sync_profile ${PYSPY:-py-spy} record -r 2000 --subprocesses --idle -t -f raw -o "$OUT/lora-sync-pyspy.txt" \
           -- $py benchmarks/weight_sync.py --device cuda --backends ipc --buffer-mib 1024 --syncs 1 --models qwen3-0.6b \
           --lora-rank 16 --lora-syncs 200 --json-out "$OUT/lora-sync-profiled.json" ;;
     p) run step_profile_0.6b $py benchmarks/step_profile.py --shape qwen3-0.6b --json-out "$OUT/h200-step-profile.json" ;;

@@ -68,6 +68,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--skip-checksums", action="store_true",
                    help="skip the final checksum comparison (always skipped above 4 GB of weights)")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="mark each timed sync's hops in the trainer's and the engine's processes into FILE "
+                        "(weight_transfer/sync_trace.py) and report each hop's median ms after the sync's start")
     p.add_argument("--stuck-dump-s", type=float, default=60.0,
                    help="a sync still running after this many seconds prints every thread's stack of this process "
                         "and (SIGUSR1) of the engine's processes, then goes on; 0: never")
@@ -308,6 +311,7 @@ def bench_one(backend: str, model: str, args) -> list[dict]:
         warm_s = time.perf_counter() - start
         fraction = args.sparse_fraction if backend == "sparse_nccl" else 1.0
         times, sent, phases = [], [], []
+        _restart_trace(args)
         for i in range(args.syncs):
             perturb(state, fraction, seed=i + 1)
             if args.device == "cuda":
@@ -328,6 +332,7 @@ def bench_one(backend: str, model: str, args) -> list[dict]:
             "sync_s": times, "median_s": median, "gb_per_s": dense_bytes / median / 1e9,
             "bytes_sent_median": statistics.median(sent), "checksums_match": None,
             "phases_median_s": _phase_medians(phases), "enable_lora": bool(lora_rank), "load_before": before, "load_after": load(),
+            "hops_median_ms": _trace_hops(args),
         }
         rows = [full]
         baseline = hf_state_checksums(state)
@@ -384,6 +389,7 @@ def bench_lora(engine: Engine, trainer, path: str, args, full: dict) -> tuple[di
         warm = trainer.send_weights(source, weight_version="lora-warmup")
     warm_s = time.perf_counter() - start
     times, sent, phases = [], [], []
+    _restart_trace(args)
     for i in range(args.lora_syncs):
         perturb(adapter, 1.0, seed=100 + i)
         if args.device == "cuda":
@@ -411,13 +417,32 @@ def bench_lora(engine: Engine, trainer, path: str, args, full: dict) -> tuple[di
         "phases_median_s": _phase_medians(phases),
         "full_sync_median_s": full["median_s"], "full_sync_dense_bytes": full["dense_bytes"],
         "time_vs_full_sync": median / full["median_s"], "bytes_vs_full_sync": dense_bytes / full["dense_bytes"],
-        "load_before": before, "load_after": load(),
+        "load_before": before, "load_after": load(), "hops_median_ms": _trace_hops(args),
     }
     return row, adapter
 
 
+def _restart_trace(args) -> None:
+    """--trace: the timed syncs' marks start an empty file (the warm-up's and start-up's are dropped)."""
+    if args.trace:
+        open(args.trace, "w").close()  # the processes append to it (O_APPEND): truncating is safe between syncs
+
+
+def _trace_hops(args) -> dict[str, float] | None:
+    """--trace: each hop's median ms after its sync's start, over the syncs since _restart_trace."""
+    if not args.trace:
+        return None
+    from weight_transfer import sync_trace
+
+    return sync_trace.summarize(args.trace)
+
+
 def main() -> None:
     args = parse_args()
+    if args.trace:  # before any engine starts: its processes inherit it
+        from weight_transfer import sync_trace
+
+        sync_trace.enable(args.trace)
     backends = args.backends or (CPU_BACKENDS if args.device == "cpu" else ["ipc"])
     models = args.models or (["tiny-llama", "100m"] if args.device == "cpu" else ["qwen3-0.6b", "qwen2.5-1.5b", "qwen2.5-7b"])
     print(f"Weight sync ({args.device}; {args.syncs} timed syncs after a warm-up; median; send_weights() start "
@@ -436,6 +461,8 @@ def main() -> None:
                       f"{r['dense_bytes'] / 1e6:>10.1f}{r['warmup_s']:>11.3f}{1e3 * r['median_s']:>10.2f}"
                       f"{r['gb_per_s']:>8.2f}{100 * r['bytes_sent_median'] / r['dense_bytes']:>8.1f}"
                       f"{str(r['checksums_match']):>11}", flush=True)
+                for hop, ms in (r.get("hops_median_ms") or {}).items():
+                    print(f"    {ms:8.3f} ms  {hop}")
             # Written after every backend, so a run cut short keeps what it measured.
             write_json(args.json_out, {
                 "benchmark": "weight_sync", "device": args.device, "machine": platform.node(),

@@ -65,6 +65,7 @@ from engine.wire import (
     FinishReason,
     UtilityOutput,
 )
+from weight_transfer import sync_trace
 
 logger = logging.getLogger(__name__)
 
@@ -245,6 +246,7 @@ class EngineCoreProc:
                 result = None
             else:
                 # A utility with a deferred form answers later (see EngineCore.DEFERRED_UTILITIES).
+                sync_trace.mark(f"engine: {method} started")
                 name = self.engine_core.DEFERRED_UTILITIES.get(method, method)
                 fn = getattr(self.engine_core, name, None) if not method.startswith("_") else None
                 if not callable(fn):
@@ -447,6 +449,8 @@ class EngineCoreProc:
                 if request_type == EngineCoreRequestType.FAULT_TOLERANCE.value:
                     self._fault_tolerance_call(client_index, *payload)
                 elif not self._refuse_while_unhealthy(request_type, client_index, payload):
+                    if request_type == EngineCoreRequestType.UTILITY.value:
+                        sync_trace.mark("engine: call received")
                     self.input_queue.put((request_type, client_index, payload))
         finally:
             sock.close(linger=0)
@@ -457,6 +461,8 @@ class EngineCoreProc:
             client_index, outputs = item
             try:
                 encoder.send(self.output_sockets[client_index], outputs)
+                if outputs.utility_output is not None:
+                    sync_trace.mark("engine: answer sent")
             except Exception as e:
                 logger.error("EngineCoreProc: could not send outputs to client %d: %s", client_index, e)
                 if outputs.utility_output is not None:  # e.g. a result msgpack cannot encode

@@ -38,6 +38,7 @@ from engine.lora.registry import LoRARegistry
 from engine.lora.request import LoRARequest, lora_request_of, split_lora_name
 from engine.wire import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from engine.worker.worker import Worker  # the executor's rpc names worker methods by reference
+from weight_transfer import sync_trace
 
 logger = logging.getLogger(__name__)
 
@@ -650,7 +651,9 @@ class EngineCore:
             except Exception as e:  # e.g. a worker died: the first error is the one to report
                 logger.warning("apply_weight_update: aborting the update after its failed call: %s", e)
             raise
+        sync_trace.mark("engine: tensors landed")
         self.finish_weight_update(weight_version)
+        sync_trace.mark("engine: update finished")
         return num_loaded
 
     @between_steps

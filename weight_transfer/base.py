@@ -44,6 +44,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 from torch import nn
 
+from weight_transfer import sync_trace
+
 # INT64_MAX and MAX_TIMEOUT_S bound every message; callers that bound their own inputs (HTTP bodies) import them here.
 from weight_transfer.messages import INT64_MAX, MAX_TIMEOUT_S, Message, parse_message  # noqa: F401
 
@@ -663,6 +665,7 @@ class TrainerWeightTransferEngine(ABC, Generic[TrainerInitT]):
         sync in one call, else start_weight_update, _send, finish_weight_update. On any failure the update
         is abandoned (_abandon_update) and the failure raised."""
         started = time.perf_counter()
+        sync_trace.mark(sync_trace.SYNC_STARTED)
         self._before_update()
         stats = self._update_in_one_call(source, weight_version, started)
         if stats is not None:
@@ -677,15 +680,18 @@ class TrainerWeightTransferEngine(ABC, Generic[TrainerInitT]):
         waiting: list[float] = []  # when the sender began waiting for the one call (once posted, it may hold an update)
 
         def post(update_info: Any) -> Callable[[], None]:
+            sync_trace.mark("trainer: call posted")
             future = self.client.submit("apply_weight_update", update_info, weight_version)
             waiting.append(0.0)
 
             def wait() -> None:
                 waiting[0] = time.perf_counter()
+                sync_trace.mark("trainer: waiting for the answer")
                 if self.timeout_s is None:
                     future.result()
                 else:
                     answer_of(future, self.timeout_s, "apply_weight_update")
+                sync_trace.mark("trainer: answer received")
 
             return wait
 

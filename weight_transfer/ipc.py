@@ -62,7 +62,7 @@ import msgspec
 import numpy as np
 import torch
 
-from weight_transfer import ipc_vllm, packing
+from weight_transfer import ipc_vllm, packing, sync_trace
 from weight_transfer.base import (
     DEFAULT_INIT_TIMEOUT_S,
     InitInfo,
@@ -550,6 +550,7 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         control = self._require_control()
         control.set_taken(info.slot, info.seq)
         self._wait_ready(control, info.slot, info.seq, info.names[info.pack.slots[0].index])
+        sync_trace.mark("engine: fill seen")
         buffer = info.mapped.tensor
         try:
             for pack_slot, view in zip(info.pack.slots, info.views):
@@ -872,6 +873,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
             else:
                 self._fill(buffer, pack, metas, items)
             control.set_ready(slot, update_info["seq"])
+            sync_trace.mark("trainer: buffer filled")
             where = "the engine's apply_weight_update"
             wait()
         except BaseException as e:
