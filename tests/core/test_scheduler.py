@@ -215,6 +215,33 @@ def test_usage_context_is_checked_and_set_by_each_entry_point(tiny_checkpoint):
     llm.shutdown()
 
 
+def test_the_workers_device_default_is_the_schedulers_budget(tiny_checkpoint, monkeypatch):
+    """The budget a worker resolves for its device (a GPU's, here faked on CPU) is what the scheduler hands out:
+    a 3 x 1500-token batch then prefills in one step of 4500 tokens, with the outputs of a run given that budget."""
+    from engine import LLM, SamplingParams
+    from engine.worker.worker import Worker
+
+    path = tiny_checkpoint("llama")
+    prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 90 for j in range(1500)]} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    explicit = LLM(path, device="cpu", max_model_len=2048, max_num_batched_tokens=4608)
+    want = [o.outputs[0].token_ids for o in explicit.generate(prompts, params, use_tqdm=False)]
+    explicit.shutdown()
+    def default_token_budget(self) -> int:  # a GPU's default, as the worker would resolve it there
+        return 4608
+
+    monkeypatch.setattr(Worker, "default_token_budget", default_token_budget)
+    llm = LLM(path, device="cpu", max_model_len=2048)
+    scheduled = []
+    step = llm.engine_core.scheduler.schedule
+    monkeypatch.setattr(llm.engine_core.scheduler, "schedule",
+                        lambda: scheduled.append(out := step()) or out)
+    assert llm.engine_core.scheduler.max_num_batched_tokens == 4608
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    assert scheduled[0].total_num_scheduled_tokens == 4500
+    llm.shutdown()
+
+
 def test_chunked_prefill_disabled():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         make_scheduler(max_model_len=32, max_num_batched_tokens=16, enable_chunked_prefill=False)

@@ -135,7 +135,7 @@ def test_step_budget_defaults_to_vllms_for_this_gpu(tiny_checkpoint):
     from engine.core.scheduler import default_max_num_batched_tokens
 
     props = torch.cuda.get_device_properties(0)
-    path = tiny_checkpoint("qwen3")
+    path = tiny_checkpoint("qwen3", max_position_embeddings=16384)
     expected = {usage: default_max_num_batched_tokens(usage, "cuda", props.total_memory, props.name)
                 for usage in ("llm_class", "engine")}
     if props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower():
