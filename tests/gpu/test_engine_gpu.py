@@ -131,7 +131,8 @@ def test_kv_cache_gets_the_engines_share_less_its_weights(tiny_checkpoint):
 
 def test_step_budget_defaults_to_vllms_for_this_gpu(tiny_checkpoint):
     """Unset max_num_batched_tokens: an LLM and a plain AsyncLLM-style engine take vLLM's default for the device
-    (16384 / 2048 on an H100 or H200), and the warm-up passes ran at that budget (a step that large replays)."""
+    (16384 / 2048 on an H100 or H200); the engine starts (its warm-up passes run at that budget) and a
+    12,000-token batch generates."""
     from engine.core.scheduler import default_max_num_batched_tokens
 
     props = torch.cuda.get_device_properties(0)
