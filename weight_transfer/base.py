@@ -664,13 +664,19 @@ class TrainerWeightTransferEngine(ABC, Generic[TrainerInitT]):
         """One update as the engine sees it, on the sender: apply_weight_update when the backend sends the
         sync in one call, else start_weight_update, _send, finish_weight_update. On any failure the update
         is abandoned (_abandon_update) and the failure raised."""
-        started = time.perf_counter()
-        sync_trace.mark(sync_trace.SYNC_STARTED)
-        self._before_update()
+        started = self._begin_update()
         stats = self._update_in_one_call(source, weight_version, started)
         if stats is not None:
             return stats
         return self._update_in_phases(lambda: self._send(source), weight_version, started)
+
+    def _begin_update(self) -> float:
+        """The sender's first steps of every update (its start time, marked for sync_trace, and _before_update);
+        returns the start time."""
+        started = time.perf_counter()
+        sync_trace.mark(sync_trace.SYNC_STARTED)
+        self._before_update()
+        return started
 
     def _update_in_one_call(self, source: WeightSource, weight_version: str | None, started: float) -> SyncStats | None:
         """apply_weight_update around _send_in_one_call; None when the backend does not send this sync in one call,
@@ -710,7 +716,7 @@ class TrainerWeightTransferEngine(ABC, Generic[TrainerInitT]):
         return stats
 
     def _update_in_phases(self, send: Callable[[], SyncStats], weight_version: str | None, started: float) -> SyncStats:
-        """start_weight_update, send(), finish_weight_update (after _before_update, at `started`); on a failure
+        """start_weight_update, send(), finish_weight_update (after _begin_update, at `started`); on a failure
         _abandon_update and raise."""
         begun = False
         try:

@@ -283,19 +283,11 @@ class RayWeightSyncClient(WeightSyncClient):
         self._gather("finish_weight_update", weight_version)
 
 
-class ModelWeightSyncClient(WeightSyncClient):
-    """Another client's calls aimed at one model of the engine: init_info and update_info gain
-    {"model": model}, weight_info and weight_checker report that model; the rest pass unchanged.
+class _AimedClient(WeightSyncClient):
+    """Another client's calls, their arguments aimed (_aim) at one part of the engine; its engines are that client's."""
 
-    The engine has one update lifecycle for its models (start and finish act on every model with a
-    transfer engine), so a sync through this client moves only this model's tensors.
-    """
-
-    def __init__(self, client: WeightSyncClient, model: str) -> None:
-        if not isinstance(model, str) or not model:
-            raise ValueError(f"model: expected a model name such as 'draft', got {model!r}")
+    def __init__(self, client: WeightSyncClient) -> None:
         self.client = client
-        self.model = model
 
     def num_engines(self) -> int:
         return self.client.num_engines()
@@ -310,7 +302,30 @@ class ModelWeightSyncClient(WeightSyncClient):
         return self.client._submit(method, *self._aim(method, args))
 
     def _aim(self, method: str, args: tuple) -> tuple:
-        """The call's arguments aimed at this model."""
+        """The call's (plain) arguments as this client sends them."""
+        raise NotImplementedError
+
+
+def _tag_request(request: dict | list[dict], key: str, value: str) -> dict | list[dict]:
+    """An init_info or update_info (plain: a dict, or vLLM's list of one per worker) with key=value in each."""
+    return [{**v, key: value} for v in request] if isinstance(request, list) else {**request, key: value}
+
+
+class ModelWeightSyncClient(_AimedClient):
+    """Another client's calls aimed at one model of the engine: init_info and update_info gain
+    {"model": model}, weight_info and weight_checker report that model; the rest pass unchanged.
+
+    The engine has one update lifecycle for its models (start and finish act on every model with a
+    transfer engine), so a sync through this client moves only this model's tensors.
+    """
+
+    def __init__(self, client: WeightSyncClient, model: str) -> None:
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"model: expected a model name such as 'draft', got {model!r}")
+        super().__init__(client)
+        self.model = model
+
+    def _aim(self, method: str, args: tuple) -> tuple:
         names = CONTROLS[method].arg_names() if method in CONTROLS else []
         aimed = []
         for name, value in zip(names, args):
@@ -318,14 +333,12 @@ class ModelWeightSyncClient(WeightSyncClient):
                 value = self.model
             elif name == "request" and method in ("init_weight_transfer_engine", "update_weights",
                                                   "apply_weight_update"):
-                # plain here (_forward_control unwrapped vLLM's request): a dict, or vLLM's list of one per worker
-                value = ([{**v, "model": self.model} for v in value] if isinstance(value, list)
-                         else {**value, "model": self.model})
+                value = _tag_request(value, "model", self.model)  # plain here: _forward_control unwrapped vLLM's
             aimed.append(value)
         return (*aimed, *args[len(aimed):])
 
 
-class LoRAWeightSyncClient(WeightSyncClient):
+class LoRAWeightSyncClient(_AimedClient):
     """Another client's calls aimed at one LoRA adapter the engine has loaded: update_weights' (and
     apply_weight_update's) update_info gains {"lora_name": lora_name}, so every backend's calls carry that adapter's
     PEFT-named tensors into it (staged until the update finishes; engine/worker/lora_weight_update.py); the rest
@@ -338,27 +351,13 @@ class LoRAWeightSyncClient(WeightSyncClient):
     def __init__(self, client: WeightSyncClient, lora_name: str) -> None:
         if not isinstance(lora_name, str) or not lora_name:
             raise ValueError(f"lora_name: expected a loaded adapter's lora_name, got {lora_name!r}")
-        self.client = client
+        super().__init__(client)
         self.lora_name = lora_name
 
-    def num_engines(self) -> int:
-        return self.client.num_engines()
-
-    def engine_world_sizes(self) -> list[int]:
-        return self.client.engine_world_sizes()
-
-    def _call(self, method: str, *args: Any) -> Any:
-        return self.client._call(method, *self._aim(method, args))
-
-    def _submit(self, method: str, *args: Any) -> concurrent.futures.Future:
-        return self.client._submit(method, *self._aim(method, args))
-
     def _aim(self, method: str, args: tuple) -> tuple:
-        """The call's arguments aimed at this adapter."""
-        if method in ("update_weights", "apply_weight_update"):  # plain here: a dict, or vLLM's list of one per worker
+        if method in ("update_weights", "apply_weight_update"):
             request, *rest = args
-            args = ([{**v, "lora_name": self.lora_name} for v in request] if isinstance(request, list)
-                    else {**request, "lora_name": self.lora_name}, *rest)
+            return (_tag_request(request, "lora_name", self.lora_name), *rest)
         return args
 
 

@@ -27,7 +27,6 @@ sends patches only where they are cheaper, and the engine ends bit-identical to 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -273,8 +272,7 @@ class SparseNCCLTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
                 entry.validate()
         self.tracker.reset()
         bounds = [_wire_nbytes(*_entry_meta(name, entry)) for name, entry in pairs]
-        started = time.perf_counter()
-        self._before_update()
+        started = self._begin_update()
         return self._update_in_phases(lambda: self._send_entries(iter(pairs), bounds), weight_version, started)
 
     def _diffs(self, metas: Sequence[ParamMeta], pairs) -> Iterator[tuple[str, Entry]]:
