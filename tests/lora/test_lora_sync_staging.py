@@ -117,8 +117,35 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
+@pytest.fixture(scope="module")
+def bf16_manager(base_model, adapters):
+    """A bfloat16 engine's adapter slots: B cannot be scaled where it lands (the scales 0.5 and 8/sqrt(8) round
+    differently after the cast), so the rewrite scales it in its float32 scratch first."""
+    llm = LLM(base_model, **{**ENGINE_ARGS, "dtype": "bfloat16"})
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for name in ("mixed", "all"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], params, use_tqdm=False, lora_request=adapters[name])
+    yield llm.engine_core.executor.worker.lora_manager
+    llm.shutdown()
+
+
 @pytest.mark.parametrize("name", ["mixed", "all"])  # rank 8 < max_lora_rank with rslora; rank 16, fused q/k/v
 def test_a_sync_lands_in_the_slot_as_the_host_copy_would(manager, adapters, name):
+    _sync_twice_and_check_the_slots(manager, adapters, name)
+
+
+@pytest.mark.parametrize("name", ["mixed", "all"])
+def test_a_bfloat16_slot_gets_b_scaled_in_float32_as_the_host_copy_would(bf16_manager, adapters, name):
+    _sync_twice_and_check_the_slots(bf16_manager, adapters, name)
+    updater = LoRAWeightUpdater(bf16_manager, _Target(_ReusingEngine(group=3)))
+    updater.update(_call(bf16_manager, adapters[name], seed=9), adapters[name])
+    updater.commit()
+    slot = bf16_manager._slot_ids.index(adapters[name].lora_int_id)
+    rewrites = [plan for key, plan in bf16_manager._rewrites.items() if key[0] == slot]
+    assert rewrites and all(not plan.scale_in_place and plan._b_scratch is not None for plan in rewrites)
+
+
+def _sync_twice_and_check_the_slots(manager, adapters, name) -> None:
     lora = adapters[name]
     other = adapters["all" if name == "mixed" else "mixed"]
     engine = _ReusingEngine(group=3)
