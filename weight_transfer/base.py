@@ -95,6 +95,10 @@ class WeightUpdateInfo:
     # valid until the first tensor of the next run is pulled (e.g. nccl's packs), so the worker may
     # check and land each run together instead of tensor by tensor.
     group_sizes: list[int] | None = None
+    # Optional: the call's tensors end to end in order with no gap, of one dtype, as one flat tensor whose
+    # consecutive ranges are the views receive_weights yields (valid as they are, once the first is pulled),
+    # so the worker may land the whole call in one copy (e.g. ipc's pack).
+    flat: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.names) == len(self.dtypes) == len(self.shapes)):

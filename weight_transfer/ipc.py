@@ -379,9 +379,10 @@ class _Mapped:
 
     descriptor: BufferDescriptor
     tensor: torch.Tensor  # uint8 [capacity], the trainer's memory
-    # (names, dtypes, shapes) of a pack -> its tensors' views into `tensor`: a model's packs recur every
-    # sync, so the views are made once and the same objects yielded again (WeightUpdateInfo.reuse_key).
-    views: dict[tuple, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+    # (names, dtypes, shapes) of a pack -> its tensors' views into `tensor` and, when they lie end to end in one
+    # dtype, the flat view of them all (WeightUpdateInfo.flat): a model's packs recur every sync, so the views
+    # are made once and the same objects yielded again (WeightUpdateInfo.reuse_key).
+    views: dict[tuple, tuple[list[torch.Tensor], torch.Tensor | None]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -502,15 +503,17 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCInitInfo, IPCUpdateInfo]):
         if layout not in mapped.views:
             if len(mapped.views) >= _MAX_VIEW_SETS:
                 mapped.views.clear()
-            mapped.views[layout] = [
-                packing.view_of(mapped.tensor, ps, dtypes[ps.index], shapes[ps.index]) for ps in pack.slots
-            ]
+            mapped.views[layout] = (
+                [packing.view_of(mapped.tensor, ps, dtypes[ps.index], shapes[ps.index]) for ps in pack.slots],
+                _flat_view(mapped.tensor, pack, dtypes),
+            )
+        views, flat = mapped.views[layout]
         return IPCWeightUpdate(
             list(names), list(dtypes), list(shapes),
             # Fresh buffers every sync (keep_buffers False) never repeat a key, and a kept landing plan
             # would hold views of a released buffer, keeping its memory from the trainer: no key then.
             reuse_key=(slot, descriptor.gen, layout) if self._settings.keep_buffers else None,
-            pack=pack, mapped=mapped, slot=slot, seq=update_info.seq, views=mapped.views[layout],
+            pack=pack, mapped=mapped, slot=slot, seq=update_info.seq, views=views, flat=flat,
         )
 
     def _map(self, descriptor: BufferDescriptor, where: str, control: _Control) -> _Mapped:
@@ -1175,6 +1178,20 @@ def _drain_quietly(items: _PeekedSource) -> None:
 def _gathers(metas: list[ParamMeta]) -> bool:
     """Whether a full pass over a source with these tensors needs every rank (sharded tensors are gathered)."""
     return any(m.sharded for m in metas)
+
+
+def _flat_view(buffer: torch.Tensor, pack: packing.Pack, dtypes: Sequence[torch.dtype]) -> torch.Tensor | None:
+    """The pack's tensors as one flat tensor of their dtype, when they lie end to end from the buffer's start in one
+    dtype (no alignment gap: an adapter's tensors usually do); else None."""
+    dtype = dtypes[pack.slots[0].index] if pack.slots else None
+    end = 0
+    for ps in pack.slots:
+        if ps.offset != end or dtypes[ps.index] != dtype:
+            return None
+        end += ps.nbytes
+    if not pack.slots or end % dtype.itemsize:
+        return None
+    return buffer[:end].view(dtype)
 
 
 def _concrete(device: torch.device) -> torch.device:

@@ -22,7 +22,8 @@ Only the adapter's bytes move: the model's parameters are never read or written 
 Cost: a call is a handful of launches and one host sync, whatever its number of tensors. A recurring call
 (same adapter load, names, dtypes, shapes: every sync of a training run) is checked and laid out once
 (_CallPlan), and a backend's repeat of the very same views (reuse_key) is not looked at again. Its tensors
-are copied by multi-tensor copies, group by group as the backend's views allow (WeightUpdateInfo.group_sizes,
+are copied by one copy when the backend hands the call over as one flat tensor (WeightUpdateInfo.flat: ipc),
+else by multi-tensor copies, group by group as the backend's views allow (WeightUpdateInfo.group_sizes,
 views_stable_per_call), into one float32 buffer on the slots' device (a backend may reuse its buffers once
 the next tensor is pulled); the sum of that buffer, finite unless a value is not, is read once the stream
 ended. At commit the slot is rewritten from that buffer on the device (LoRAManager.install), and the host copy
@@ -92,39 +93,24 @@ def check_adapter_tensors(adapter: PEFTAdapter, lora_name: str,
 @dataclass(frozen=True)
 class _CallPlan:
     """One recurring call checked against one load of an adapter (PEFTAdapter.layout) and laid out in a flat
-    float32 buffer: tensors of equal shape side by side, so that views of all of them are a few unbind()s.
-
-        flat: | shape 0: tensors i, j, ... | shape 1: ... |      (in the order each shape first appears)
-    """
+    float32 buffer: the tensors end to end in the call's order, as a packing backend lays them (so a backend
+    that hands over the whole call as one flat tensor, WeightUpdateInfo.flat, lands it in one copy)."""
 
     names: tuple[str, ...]
     targets: tuple[tuple[str, str], ...]  # per tensor, in the call's order: (HF module, "A" or "B")
     shapes: tuple[torch.Size, ...]
-    blocks: tuple[tuple[torch.Size, int, int], ...]  # per shape: (shape, number of tensors, offset in the flat buffer)
-    order: tuple[int, ...]  # per tensor of the call: its position among the blocks' tensors
+    numels: tuple[int, ...]
     numel: int
 
     @staticmethod
     def build(names: Sequence[str], shapes: Sequence[Sequence[int]]) -> _CallPlan:
-        by_shape: dict[torch.Size, list[int]] = {}
-        for i, shape in enumerate(shapes):
-            by_shape.setdefault(torch.Size(shape), []).append(i)
-        blocks, order, offset, position = [], [0] * len(names), 0, 0
-        for shape, indices in by_shape.items():
-            blocks.append((shape, len(indices), offset))
-            offset += len(indices) * shape.numel()
-            for i in indices:
-                order[i] = position
-                position += 1
-        return _CallPlan(tuple(names), tuple(split_peft_tensor_name(n) for n in names),
-                         tuple(torch.Size(s) for s in shapes), tuple(blocks), tuple(order), offset)
+        sizes = tuple(torch.Size(s) for s in shapes)
+        numels = tuple(s.numel() for s in sizes)
+        return _CallPlan(tuple(names), tuple(split_peft_tensor_name(n) for n in names), sizes, numels, sum(numels))
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each tensor's view of `flat` (a buffer of numel elements laid out as above), in the call's order."""
-        pieces: list[torch.Tensor] = []
-        for shape, count, offset in self.blocks:
-            pieces.extend(flat.narrow(0, offset, count * shape.numel()).view(count, *shape).unbind(0))
-        return [pieces[position] for position in self.order]
+        return [piece.view(shape) for piece, shape in zip(flat.split(self.numels), self.shapes)]
 
 
 @dataclass
@@ -301,8 +287,12 @@ class LoRAWeightUpdater:
                 name = received[-1] if received else None
                 if not problems and not trusted:
                     problems += _check_group(base, lora_name, plan, start, names, items)
-                if not problems and items:  # one multi-tensor copy (and cast) for the group, queued on the device
-                    torch._foreach_copy_(views[start:len(received)], items)
+                if not problems and items:  # queued on the device: one copy (and cast) of the whole call when the
+                    # backend hands it over flat, laid out as the staging is; else one multi-tensor copy for the group
+                    if start == 0 and info.flat is not None and info.flat.numel() == plan.numel == flat.numel():
+                        flat.copy_(info.flat)
+                    else:
+                        torch._foreach_copy_(views[start:len(received)], items)
                 if len(group) < size:
                     break
             if not problems:  # queued before the stream ends (ipc synchronizes the device there): read at no wait

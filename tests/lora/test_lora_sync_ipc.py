@@ -85,6 +85,14 @@ def test_ipc_sync_into_an_in_process_engine(llm, adapters, old_refs, trained):
         again = trainer.send_weights(weight_version="ipc-2")
         assert again.extra["num_exports"] == 0 and again.extra["buffer_ids"] == buffers
         assert _lora_sums(llm, "qv") == lora_state_checksums("qv", new_tensors)
+        # Each pack's tensors lie end to end in one dtype: the engine landed each call in one copy of its pack
+        # (the refused call's [4, 63] tensor left a gap before the next: its pack had no flat view).
+        receiver = llm.engine_core.executor.worker.weight_updater.transfer_engine
+        view_sets = [entry for mapped in receiver._mapped.values() for entry in mapped.views.values()]
+        refused = [flat for views, flat in view_sets if any(v.shape[-1] == 63 for v in views)]
+        good = [(views, flat) for views, flat in view_sets if all(v.shape[-1] != 63 for v in views)]
+        assert len(good) >= stats.extra["num_packs"] and refused == [None]
+        assert all(flat is not None and flat.numel() == sum(v.numel() for v in views) for views, flat in good)
         assert llm.get_weight_version(lora_name="qv") == "ipc-2"
     finally:
         trainer.shutdown()

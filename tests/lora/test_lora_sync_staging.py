@@ -205,16 +205,15 @@ def test_calls_of_one_update_add_up_and_a_rejected_or_discarded_one_changes_noth
     assert all(torch.equal(a, b) for a, b in zip(slots_before, _slots(manager)))
 
 
-def test_a_call_plan_lays_equal_shapes_side_by_side():
+def test_a_call_plan_lays_the_tensors_end_to_end_in_the_calls_order():
     names = [f"base_model.model.m{i}.lora_{'AB'[i % 2]}.weight" for i in range(5)]
     shapes = [(2, 3), (4, 2), (2, 3), (0, 2), (4, 2)]
     plan = _CallPlan.build(names, shapes)
-    assert plan.numel == 2 * 6 + 2 * 8 and [b[1] for b in plan.blocks] == [2, 2, 1]
+    assert plan.numel == 2 * 6 + 2 * 8
     flat = torch.arange(plan.numel, dtype=torch.float32)
     views = plan.views(flat)
     assert [tuple(v.shape) for v in views] == shapes
-    assert torch.equal(views[0].flatten(), flat[0:6]) and torch.equal(views[2].flatten(), flat[6:12])
-    assert torch.equal(views[1].flatten(), flat[12:20]) and torch.equal(views[4].flatten(), flat[20:28])
+    assert torch.equal(torch.cat([v.flatten() for v in views]), flat)  # as a packing backend lays them out
     assert plan.targets[1] == ("m1", "B")
 
 
