@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tier and the GPU benchmarks in one device call; logs and JSON go to $OUT (default benchmarks/out).
-# Usage: benchmarks/run_gpu.sh [tests] [a] [b] [c] [d] [w] [s] [p] [g] [t] [al] [sd] [lora] [rl] [x2]   (no argument: all but s, p, g, t, al, sd, lora, rl and x2)
+# Usage: benchmarks/run_gpu.sh [tests] [a] [b] [c] [d] [w] [s] [p] [g] [t] [al] [sd] [lora] [lops] [rl] [x2]   (no argument: all but s, p, g, t, al, sd, lora, rl and x2)
 # g: small-M linear kernel configs against cuBLAS.
 # t: decode attention tile configs, split-KV and program order, at one context length and at mixed lengths.
 # al: (a) without HF, decode attention programs longest context first.
@@ -14,6 +14,8 @@
 # lp (issue 26): where a rank-16 adapter sync's time goes, 0.6B shape: each hop's median ms over 60 traced ipc syncs
 #   (weight_sync.py --trace: the trainer's and the engine's processes mark them), then 200 syncs under py-spy (every
 #   process, idle frames too, per thread), raw stacks in $OUT/lora-sync-pyspy.txt.
+# lops (issue 26): each device op of a rank-16 adapter sync of the 0.6B shape alone (lora_sync_ops.py): host ms
+#   per call and kernels launched, multi-tensor against per-tensor and flat.
 # p: where the offline run's time goes (per-step host/GPU split, top kernels).
 # x2 (two GPUs): the two-GPU tests, nccl/sharded_rdt/sparse weight sync GPU 0 -> GPU 1, TP=2 and DP=2 throughput.
 set -uo pipefail
@@ -59,6 +61,8 @@ for part in $parts; do
         run lora_sync_profile ${PYSPY:-py-spy} record -r 2000 --subprocesses --idle -t -f raw -o "$OUT/lora-sync-pyspy.txt" \
           -- $py benchmarks/weight_sync.py --device cuda --backends ipc --buffer-mib 1024 --syncs 1 --models qwen3-0.6b \
           --lora-rank 16 --lora-syncs 200 --json-out "$OUT/lora-sync-profiled.json" ;;
+    lops) run lora_sync_ops $py benchmarks/lora_sync_ops.py --device cuda --shape qwen3-0.6b --rank 16 \
+            --json-out "$OUT/h200-lora-sync-ops.json" ;;
     p) run step_profile_0.6b $py benchmarks/step_profile.py --shape qwen3-0.6b --json-out "$OUT/h200-step-profile.json" ;;
     s) run sampling_micro $py benchmarks/sampling_micro.py --device cuda --out "$OUT/h200-sampling-micro.json" ;;
     w) run weight_sync $py benchmarks/weight_sync.py --device cuda --backends ipc --buffer-mib 1024 --syncs 5 \
