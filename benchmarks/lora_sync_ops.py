@@ -71,7 +71,8 @@ def measure(fn, device: torch.device, calls: int) -> dict:
 def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
-    config = json.loads(open(os.path.join(shape_config(args.shape), "config.json")).read())
+    with open(os.path.join(shape_config(args.shape), "config.json")) as f:
+        config = json.load(f)
     modules = lora_module_shapes(config, LORA_TARGETS)
     r = args.rank
     shapes = [s for in_f, out_f in modules.values() for s in ((r, in_f), (out_f, r))]  # A, B per module, as PEFT
@@ -114,7 +115,7 @@ def main() -> None:
     for name, fn in ops.items():
         results[name] = measure(fn, device, args.calls)
         row = results[name]
-        print(f"{name:40s} {row['host_ms']:9.3f} {row['with_sync_ms']:10.3f} {str(row['kernels']):>8s}")
+        print(f"{name:40s} {row['host_ms']:9.3f} {row['with_sync_ms']:10.3f} {row['kernels']!s:>8}")
     write_json(args.json_out, {
         "benchmark": "lora_sync_ops", "device": args.device, "shape": args.shape, "rank": r,
         "num_tensors": len(shapes), "numel": numel, "torch": torch.__version__,

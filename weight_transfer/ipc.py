@@ -53,7 +53,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from typing import Annotated, ClassVar, Literal
