@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
+import time
 from typing import Any
 
 import msgspec
@@ -25,6 +27,7 @@ from weight_transfer.clients import HTTPWeightSyncClient, RayWeightSyncClient
 # SamplingParams fields that never travel over HTTP: the adapter's own choices or engine internals.
 _LOCAL_FIELDS = ("output_kind", "detokenize", "bad_words_token_ids")
 DEFAULT_TIMEOUT_S = 600.0
+logger = logging.getLogger(__name__)
 
 
 def _load_tokenizer(path: str):
@@ -266,3 +269,24 @@ class RayRolloutEngine:
             self._call("shutdown")
         finally:
             ray.kill(self.actor)
+            _wait_until_dead(self.actor, _ACTOR_EXIT_S)
+
+
+_ACTOR_EXIT_S = 30.0  # how long shutdown waits for a killed actor's process to be gone
+
+
+def _wait_until_dead(actor, timeout_s: float) -> None:
+    """Returns once calls to `actor` fail as a dead actor's (ray.kill only asks for its end: a call sent right
+    after could still reach the live actor), or after timeout_s with a warning."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            break
+        time.sleep(0.05)
+    logger.warning("RayRolloutEngine: the killed actor still answered after %.0f s", timeout_s)
