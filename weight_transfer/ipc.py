@@ -726,14 +726,16 @@ class _PlannedFill:
     names: list[str]
     update_info: dict  # but "slot" and "seq" (_call_layout)
 
-    def fill(self, buffer: _Buffer) -> None:
-        """The tensors' current values into the buffer; complete on return. A tensor whose dtype or shape changed
-        since the plan (its .data replaced) is refused, naming it, before anything is copied."""
+    def check(self) -> None:
+        """Refuses, naming it, a tensor whose dtype or shape changed since the plan (its .data replaced)."""
         specs = [(t.dtype, t.shape) for t in self.srcs]
         if specs != self.specs:
             i = next(i for i, (now, then) in enumerate(zip(specs, self.specs)) if now != then)
             raise ValueError(f"source: {self.names[i]!r} is now {specs[i][0]} {list(specs[i][1])}, "
                              f"not the {self.specs[i][0]} {list(self.specs[i][1])} of the metadata")
+
+    def fill(self, buffer: _Buffer) -> None:
+        """The tensors' current values into the buffer (check() passed); complete on return."""
         with torch.no_grad():  # a source's tensors may be parameters that require grad
             torch._foreach_copy_(self.dsts, self.srcs)
         if buffer.tensor.is_cuda:  # `ready` must not be set before the device copies are done
@@ -868,6 +870,11 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
             slot = self.config.packed_num_buffers if pack.nbytes > self.config.packed_buffer_size_bytes else 0
             buffer = self._buffer(slot, pack.nbytes, self._buffer_device(items))
             planned = self._planned(pairs, pack, buffer, metas, tensor_list) if pairs is not None else None
+            if planned is not None:
+                # Before the post: a refused source then never reaches the engine (no call to abort), and the
+                # call's way out (the client's thread encoding and sending it) does not wait on this per-tensor
+                # Python for the GIL; the fill after the post is one multi-tensor copy.
+                planned.check()
             update_info = self._update_info(pack, tensor_list, slot, buffer, planned)
             where = f"the pack starting at {metas[pack.slots[0].index].name!r}"
             wait = post(update_info)

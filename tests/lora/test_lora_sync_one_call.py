@@ -167,21 +167,32 @@ def test_a_ray_client_over_several_engines_applies_in_phases_on_all_or_none(monk
 
 def test_a_planned_fill_refuses_a_tensor_whose_shape_changed(llm, adapters, trained):
     """A source's fixed tensor list is planned once; a tensor replaced by one of another shape since (.data) is
-    refused by name before anything is copied, the adapter as before, and the sync after it lands."""
+    refused by name before anything is copied or asked of the engine, the adapter as before, and the sync after
+    it lands."""
     model, _ = trained
     assert llm.add_lora(adapters["qv"])
     tensors = {name: t.clone() for name, t in _peft_tensors(model).items()}
     source = adapter_source(tensors, "qv")
     assert source.plain_tensors() is source.plain_tensors()  # one list, planned once
-    trainer = trainer_init(IPCTrainerInitInfo(timeout_s=30.0), client=LocalWeightSyncClient(llm), source=source)
+    posted: list[str] = []
+
+    class _Recording(LocalWeightSyncClient):
+        def _submit(self, method, *args):
+            posted.append(method)
+            return super()._submit(method, *args)
+
+    trainer = trainer_init(IPCTrainerInitInfo(timeout_s=30.0), client=_Recording(llm), source=source)
     try:
         trainer.send_weights(weight_version="planned-1")
         sums = _lora_sums(llm, "qv")
         name = next(iter(tensors))
         original = tensors[name].data
         tensors[name].data = torch.zeros(original.shape[0], original.shape[1] + 1)
+        assert "apply_weight_update" in posted  # the good sync's one call went through the recorder
+        posted.clear()
         with pytest.raises(RuntimeError, match=rf"'{name}' is now torch.float32 \[4, 65\]"):
             trainer.send_weights(weight_version="changed")
+        assert posted == []  # refused before the one call was posted: nothing to abort
         assert _lora_sums(llm, "qv") == sums and llm.get_weight_version(lora_name="qv") == "planned-1"
         assert _no_update_open(llm.engine_core)
         tensors[name].data = original * 2  # back to its shape: the plan holds, and the new values land
