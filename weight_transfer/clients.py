@@ -301,9 +301,9 @@ class _AimedClient(WeightSyncClient):
     def _submit(self, method: str, *args: Any) -> concurrent.futures.Future:
         return self.client._submit(method, *self._aim(method, args))
 
+    @abstractmethod
     def _aim(self, method: str, args: tuple) -> tuple:
         """The call's (plain) arguments as this client sends them."""
-        raise NotImplementedError
 
 
 def _tag_request(request: dict | list[dict], key: str, value: str) -> dict | list[dict]:

@@ -1190,14 +1190,14 @@ def _gathers(metas: list[ParamMeta]) -> bool:
 def _flat_view(buffer: torch.Tensor, pack: packing.Pack, dtypes: Sequence[torch.dtype]) -> torch.Tensor | None:
     """The pack's tensors as one flat tensor of their dtype, when they lie end to end from the buffer's start in one
     dtype (no alignment gap: an adapter's tensors usually do); else None."""
-    dtype = dtypes[pack.slots[0].index] if pack.slots else None
+    if not pack.slots:
+        return None
+    dtype = dtypes[pack.slots[0].index]
     end = 0
     for ps in pack.slots:
         if ps.offset != end or dtypes[ps.index] != dtype:
             return None
         end += ps.nbytes
-    if not pack.slots or end % dtype.itemsize:
-        return None
     return buffer[:end].view(dtype)
 
 

@@ -142,18 +142,15 @@ class LoRAManager:
                 self._rewrites.clear()
             plan = self._rewrites[key] = self._plan_rewrite(slot, adapter, synced)
         a_srcs, b_srcs = plan.sources_of(sources, keep=recurring)
-        if not b_srcs:
-            if a_srcs:
-                torch._foreach_copy_(plan.a_dsts, a_srcs)
-        elif plan.scale_in_place:  # the same values as below, with no scratch (see _SlotRewrite)
-            torch._foreach_copy_(plan.a_dsts + plan.b_dsts, a_srcs + b_srcs)
-            if plan.b_scales != 1.0:
-                torch._foreach_mul_(plan.b_dsts, plan.b_scales)
-        else:  # scaled in float32, then cast into the slot: what set_slot writes from the host copy
+        if b_srcs and not plan.scale_in_place:  # scaled in float32, then cast into the slot: as set_slot writes it
             scaled = plan.b_scratch(b_srcs)
             torch._foreach_copy_(scaled, b_srcs)
             torch._foreach_mul_(scaled, plan.b_scales)
-            torch._foreach_copy_(plan.a_dsts + plan.b_dsts, a_srcs + scaled)
+            b_srcs = scaled
+        if a_srcs or b_srcs:
+            torch._foreach_copy_(plan.a_dsts + plan.b_dsts, a_srcs + b_srcs)
+        if b_srcs and plan.scale_in_place and plan.b_scales != 1.0:  # the same values, no scratch (_SlotRewrite)
+            torch._foreach_mul_(plan.b_dsts, plan.b_scales)
         self.num_slot_loads += 1
 
     def _plan_rewrite(self, slot: int, adapter: PEFTAdapter, synced: tuple[tuple[str, str], ...]) -> _SlotRewrite:
@@ -286,12 +283,9 @@ class _SlotRewrite:
         sources are scaled before the cast into the slot. Reused by every rewrite of the plan: they are all queued
         on one stream, so a rewrite's scaling follows the previous one's cast."""
         if self._b_scratch is None:
-            flat = torch.empty(sum(t.numel() for t in b_srcs), dtype=torch.float32, device=self.b_dsts[0].device)
-            views, offset = [], 0
-            for t in b_srcs:
-                views.append(flat.narrow(0, offset, t.numel()).view(t.shape))
-                offset += t.numel()
-            self._b_scratch = views
+            numels = [t.numel() for t in b_srcs]
+            flat = torch.empty(sum(numels), dtype=torch.float32, device=self.b_dsts[0].device)
+            self._b_scratch = [piece.view(t.shape) for piece, t in zip(flat.split(numels), b_srcs)]
         return self._b_scratch
 
     def sources_of(self, sources: Sequence[torch.Tensor], keep: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

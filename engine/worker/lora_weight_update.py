@@ -289,7 +289,7 @@ class LoRAWeightUpdater:
                     problems += _check_group(base, lora_name, plan, start, names, items)
                 if not problems and items:  # queued on the device: one copy (and cast) of the whole call when the
                     # backend hands it over flat, laid out as the staging is; else one multi-tensor copy for the group
-                    if start == 0 and info.flat is not None and info.flat.numel() == plan.numel == flat.numel():
+                    if start == 0 and info.flat is not None and info.flat.numel() == plan.numel:
                         flat.copy_(info.flat)
                     else:
                         torch._foreach_copy_(views[start:len(received)], items)

@@ -227,6 +227,7 @@ def test_the_workers_device_default_is_the_schedulers_budget(tiny_checkpoint, mo
     explicit = LLM(path, device="cpu", max_model_len=2048, max_num_batched_tokens=4608)
     want = [o.outputs[0].token_ids for o in explicit.generate(prompts, params, use_tqdm=False)]
     explicit.shutdown()
+
     def default_token_budget(self) -> int:  # a GPU's default, as the worker would resolve it there
         return 4608
 
